@@ -42,7 +42,8 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         "planners._entries": "planners._ties",
         "planners._replica_values": "planners._ownership",
         "storage.format._reading": (
-            "storage.format._ranges storage.format._tensor_bytes storage._tensor_bytes storage._ranges"
+            "storage.format._ranges storage.format._tensor_bytes storage._tensor_bytes storage._ranges "
+            "storage.format._regions storage._regions"
         ),
         "storage.backends._folder": "storage.backends._paths",
         "storage.read.reader": "storage.full.reader storage.reader",
@@ -67,7 +68,6 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         "storage.format._checksum": "storage._checksum",
         "storage.format._check_units": "storage._check_units",
         "storage.format._safe_pickle": "storage._safe_pickle",
-        "storage.format._regions": "storage._regions",
         "storage.backends._s3": "storage._s3",
         "storage.backends._sinks": "storage._sinks",
         "storage.format.commit": "storage._partial_commit",

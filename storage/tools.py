@@ -102,7 +102,18 @@ def verify_checkpoint(
         problems.append(f"{manifest.metadata.name}: missing")
     elif not manifest.metadata.matches(md):
         problems.append(f"{manifest.metadata.name}: size or checksum differs from the manifest")
-    warnings = _stock_copy_warnings(fs, path, manifest)
+    # the stock .metadata copy of a partial checkpoint missing or stale: a warning, not an error (a crash
+    # between the commit and that copy leaves exactly this, and smpckpt still loads it); a full artifact
+    # is read by safetensors/transformers, not by stock DCP: it has no stock copy
+    stock = None if manifest.kind == "full" else read_bytes_or_none(fs, join(path, METADATA_NAME))
+    warnings = []
+    if manifest.kind != "full" and stock is None:
+        warnings.append(f"{METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)")
+    elif stock is not None and not manifest.metadata.matches(stock):
+        warnings.append(
+            f"{METADATA_NAME}: differs from the committed {manifest.metadata.name} (stock DCP readers would "
+            "load another generation or fail)"
+        )
     count = _Count(manifest.metadata.size, total, progress)
     count.report()
     for rec in manifest.files:
@@ -206,22 +217,6 @@ def _size(fs: Any, fpath: str) -> int | None:
             return int(fs.size(fpath))
     except FileNotFoundError:
         return None
-
-
-def _stock_copy_warnings(fs: Any, path: str, manifest: Manifest) -> list[str]:
-    """The stock ``.metadata`` copy of a partial checkpoint is missing or stale (a warning, not an error:
-    a crash between the commit and that copy leaves exactly this, and smpckpt still loads it)."""
-    if manifest.kind == "full":
-        return []  # a full artifact is read by safetensors/transformers, not by stock DCP: no stock copy
-    stock = read_bytes_or_none(fs, join(path, METADATA_NAME))
-    if stock is None:
-        return [f"{METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)"]
-    if not manifest.metadata.matches(stock):
-        return [
-            f"{METADATA_NAME}: differs from the committed {manifest.metadata.name} (stock DCP readers would "
-            "load another generation or fail)"
-        ]
-    return []
 
 
 def _verify_legacy(
@@ -409,11 +404,32 @@ def load_problems(
     except CheckpointError as exc:
         return [str(exc)]
     if manifest.kind == "full":
-        problems = _hf_index_problems(fs, path, manifest)
+        # its Hugging Face index (what from_pretrained follows) names only the artifact's own listed files: a
+        # resealed index pointing elsewhere would load other weights without our reader
+        listed = {f.name for f in manifest.files}
+        problems = []
+        for name in (n for n in _HF_INDEXES if n in listed):
+            data = read_bytes_or_none(fs, join(path, name))
+            try:
+                weight_map = json.loads(data or b"")["weight_map"]
+                files = {check_member_name(v, where=name) for v in weight_map.values()}
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError, CheckpointError) as exc:
+                problems.append(f"{name}: malformed or unsafe: {exc}")
+                continue
+            if unlisted := sorted(files - listed):
+                problems.append(f"{name}: names files the manifest does not list: {unlisted[:5]}")
         return reader.source.verify_all(tick) if not problems and tick and reader.source else problems
     problems = [str(e) for e in _validate_global_plan([None, None], metadata)]  # type: ignore[list-item]
     for fqn, md in metadata.state_dict_metadata.items():
-        for req in _reads(fqn, md):
+        # a read of every stored piece of the key, as a load plans them
+        reads = []
+        if isinstance(md, BytesStorageMetadata):
+            index = MetadataIndex(fqn)
+            reads = [ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]), torch.Size([0]))]
+        for chunk in md.chunks if isinstance(md, TensorStorageMetadata) else ():
+            index, zeros = MetadataIndex(fqn, chunk.offsets), torch.Size([0] * len(chunk.sizes))
+            reads.append(ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, chunk.sizes))
+        for req in reads:
             try:
                 reader._item(req)  # the reader's own checks: name, listed file, range, chunk metadata
             except CheckpointError as exc:
@@ -421,40 +437,4 @@ def load_problems(
                 break  # one message per key
         if len(problems) >= _SHOWN:
             break
-    return problems
-
-
-def _reads(fqn: str, md: Any) -> list[ReadItem]:
-    """A read of every stored piece of one key, as a load plans them."""
-    if isinstance(md, BytesStorageMetadata):
-        index = MetadataIndex(fqn)
-        return [ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]), torch.Size([0]))]
-    if not isinstance(md, TensorStorageMetadata):
-        return []
-    out = []
-    for chunk in md.chunks:
-        index = MetadataIndex(fqn, chunk.offsets)
-        zeros = torch.Size([0] * len(chunk.sizes))
-        out.append(ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, chunk.sizes))
-    return out
-
-
-def _hf_index_problems(fs: Any, path: str, manifest: Manifest) -> list[str]:
-    """A full artifact's Hugging Face index (what ``from_pretrained`` follows) names only the artifact's
-    own listed files: a resealed index pointing elsewhere would load other weights without our reader."""
-    listed = {f.name for f in manifest.files}
-    problems: list[str] = []
-    for name in _HF_INDEXES:
-        if name not in listed:
-            continue
-        data = read_bytes_or_none(fs, join(path, name))
-        try:
-            weight_map = json.loads(data or b"")["weight_map"]
-            files = {check_member_name(v, where=name) for v in weight_map.values()}
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, CheckpointError) as exc:
-            problems.append(f"{name}: malformed or unsafe: {exc}")
-            continue
-        unlisted = sorted(files - listed)
-        if unlisted:
-            problems.append(f"{name}: names files the manifest does not list: {unlisted[:5]}")
     return problems

@@ -131,8 +131,9 @@ class _Bounds:
         self.hooked.clear()
 
 
-def _check_state(obj: Any, state: Any) -> Any:
-    """``state``'s dict part and slot part, refused beyond :data:`_MAX_STATE` fields each."""
+def _bounded_build(obj: Any, state: Any) -> None:
+    """The C unpickler's default BUILD (fill ``__dict__``, then set slot state), bounded: the dict part and
+    the slot part are refused beyond :data:`_MAX_STATE` fields each."""
     slots = None
     if type(state) is tuple and len(state) == 2:
         state, slots = state
@@ -140,12 +141,6 @@ def _check_state(obj: Any, state: Any) -> Any:
         if part is not None and (type(part) is not dict or len(part) > _MAX_STATE):
             size = len(part) if isinstance(part, dict) else type(part).__name__
             raise _TooBig(f"a {type(obj).__name__} is given a state of {size} fields (at most {_MAX_STATE})")
-    return state, slots
-
-
-def _bounded_build(obj: Any, state: Any) -> None:
-    """The C unpickler's default BUILD (fill ``__dict__``, then set slot state), bounded."""
-    state, slots = _check_state(obj, state)
     if state:
         obj.__dict__.update(state)
     if slots:
@@ -291,19 +286,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         return _guarded_call(real, bounds)  # set, frozenset, complex, defaultdict, paths, _get_layout
 
 
-def _enum_members() -> list[Any]:
-    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
-    from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
-
-    return [m for e in (_MEM_FORMAT_ENCODING, WriteItemType, LoadItemType) for m in e]
-
-
 def load_metadata(data: bytes, *, where: str) -> Any:
     """Unpickle DCP ``Metadata`` from ``data``, allow-listed and bounded; else raises naming ``where``."""
-    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+    from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 
     bounds = _Bounds(len(data))
-    members = _enum_members()
+    members = [m for e in (_MEM_FORMAT_ENCODING, WriteItemType, LoadItemType) for m in e]
     before = [dict(m.__dict__) for m in members]
     try:
         with gc_paused():  # an object per item: no collections while they are made (or turned real)
@@ -311,7 +300,12 @@ def load_metadata(data: bytes, *, where: str) -> Any:
                 obj = _MetadataUnpickler(io.BytesIO(data), bounds).load()
             finally:
                 bounds.finish()
-                tampered = _restore(members, before)
+                tampered = []  # put back any enum member a BUILD reached; those it changed
+                for member, state in zip(members, before):
+                    if member.__dict__ != state:
+                        member.__dict__.clear()
+                        member.__dict__.update(state)
+                        tampered.append(repr(member))
     except pickle.UnpicklingError as exc:
         if "is not allowed" in str(exc):
             raise UnsafeCheckpoint(f"{where}: refused to load: {exc}") from exc
@@ -326,21 +320,12 @@ def load_metadata(data: bytes, *, where: str) -> Any:
     except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
         raise CheckpointCorrupt(f"{where}: cannot be unpickled: {type(exc).__name__}: {exc}") from exc
     if tampered:
-        raise CheckpointCorrupt(f"{where}: its pickle sets attributes of shared enum members ({tampered}): refused")
+        raise CheckpointCorrupt(
+            f"{where}: its pickle sets attributes of shared enum members ({', '.join(tampered)}): refused"
+        )
     if not isinstance(obj, Metadata):
         raise CheckpointCorrupt(f"{where}: holds {type(obj).__name__}, not DCP Metadata")
     return obj
-
-
-def _restore(members: list[Any], before: list[dict[str, Any]]) -> str:
-    """Put back any enum member a BUILD reached; the names of those it changed."""
-    changed = []
-    for member, state in zip(members, before):
-        if member.__dict__ != state:
-            member.__dict__.clear()
-            member.__dict__.update(state)
-            changed.append(repr(member))
-    return ", ".join(changed)
 
 
 def check_weights_only(data: bytes | memoryview, *, where: str) -> None:

@@ -1,12 +1,7 @@
 """Staging: tensor bytes moved between where they live and a small pool of reused host buffers, the
 device stage of every save (what cannot be written in place) and of every load into a CUDA tensor
-(:class:`DeviceCopies`, :func:`copy_into`).
-
-:meth:`Stage.copy` enqueues one copy and returns; :meth:`Stage.fence` returns a :class:`Ticket` that
-completes when every copy enqueued before it has. :class:`CudaStage` copies on a side stream into
-pinned buffers (a ticket is an event); :class:`HostStage` copies in order on one copier thread (a
-ticket is a future). With ``SMPCKPT_TEST_DEVICE=cpu`` CPU tensors go through the :class:`HostStage` too
-(:func:`stage_kind`), so CI runs the pipeline a GPU machine runs.
+(:class:`DeviceCopies`, :func:`copy_into`), through a :class:`Stage` (README, "Storage": the interface,
+and ``SMPCKPT_TEST_DEVICE=cpu``, under which CI runs the pipeline a GPU machine runs).
 
 A pool holds at most ``limit`` bytes in buffers of ``buffer_bytes``, allocated when first needed; a
 buffer returns to it only when every use of its bytes has finished (:meth:`BufferPool.release`).
@@ -26,7 +21,7 @@ from typing import Any, Literal, Protocol, cast
 
 import torch
 
-from smpckpt.storage.format._regions import range_boxes
+from smpckpt.storage.format._reading import range_boxes
 
 __all__ = ["STAGING_BYTES", "BUFFER_BYTES", "MIN_STAGING_BYTES", "HostBuffer", "BufferPool", "Ticket", "Stage"]
 __all__ += ["HostStage", "CudaStage", "Stages", "stage_kind", "settle", "TEST_DEVICE_ENV", "narrow_box", "copy_chunks"]

@@ -250,11 +250,8 @@ class FileRecord:
             raise CheckpointCorrupt(f"manifest entry {self.name}: blocks do not cover the file size {self.size}")
         if not all(map(operator.lt, (0,) + self.block_ends, self.block_ends)):  # pairwise, in C
             raise CheckpointCorrupt(f"manifest entry {self.name}: block ends are not increasing")
-        self._check_tilings()
-
-    def _check_tilings(self) -> None:
-        """Each tiling lies in the file, after the previous one, and the block list holds exactly its
-        tiles (a reader trusts both to find which bytes a tile digest covers)."""
+        # each tiling lies in the file, after the previous one, and the block list holds exactly its tiles
+        # (a reader trusts both to find which bytes a tile digest covers)
         prev_end = 0
         for t in self.tilings:
             i = bisect.bisect_right(self.block_ends, t.start)
@@ -354,6 +351,9 @@ class FileRecord:
         size = int(obj["size"])
         if size < 0:
             raise ValueError(f"file {obj['name']!r} has a negative size")
+        tilings = _unpack(obj["tilings"]) if obj.get("tilings") else ()
+        if len(tilings) % 5:
+            raise ValueError("packed tiling list length is not a multiple of 5 values")
         return cls(
             name=check_member_name(obj["name"], where=where),
             size=size,
@@ -361,15 +361,8 @@ class FileRecord:
             block_ends=_unpack(obj["block_ends"]),
             block_digests=_unpack(obj["block_digests"]),
             checks=obj.get("checks", "blocks"),
-            tilings=_tilings(obj.get("tilings")),
+            tilings=tuple(Tiling(*tilings[i : i + 5]) for i in range(0, len(tilings), 5)),
         )
-
-
-def _tilings(packed: str | None) -> tuple[Tiling, ...]:
-    values = _unpack(packed) if packed else ()
-    if len(values) % 5:
-        raise ValueError("packed tiling list length is not a multiple of 5 values")
-    return tuple(Tiling(*values[i : i + 5]) for i in range(0, len(values), 5))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -529,14 +522,6 @@ def _plain_names(metadata: Any) -> list[str]:
     return names
 
 
-def _refers_to_our_files(metadata: Any) -> bool:
-    return any(
-        RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None) or ())
-        or is_smpckpt_file(str(getattr(info, "relative_path", "")))
-        for info in (getattr(metadata, "storage_data", None) or {}).values()
-    )
-
-
 def probe(fs: Any, folder: str, *, list_when_empty: bool = True, known: Manifest | None = None) -> Probe:
     """Classify ``folder``. Raises :class:`~smpckpt.errors.CheckpointCorrupt` for a malformed manifest
     and :class:`~smpckpt.errors.UnsafeCheckpoint` for a ``.metadata`` that needs code to load, or (local
@@ -552,7 +537,11 @@ def probe(fs: Any, folder: str, *, list_when_empty: bool = True, known: Manifest
     md_bytes = read_bytes_or_none(fs, md_path)
     if md_bytes is not None:
         metadata = load_metadata(md_bytes, where=md_path)
-        if _refers_to_our_files(metadata):
+        if any(  # a .metadata of our files: a save of ours that did not commit
+            RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None) or ())
+            or is_smpckpt_file(str(getattr(info, "relative_path", "")))
+            for info in (getattr(metadata, "storage_data", None) or {}).values()
+        ):
             return Probe("uncommitted", detail=f"{md_path} exists but {MANIFEST_NAME} does not")
         # plain names only: a crafted one is refused where it is read, naming its key
         confine(fs, folder, _plain_names(metadata), where=folder)

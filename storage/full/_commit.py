@@ -27,7 +27,7 @@ from smpckpt.storage.format import manifest as _names
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.commit import commit, publish_staged, remove_folder
 from smpckpt.storage.format.manifest import DESCRIPTION_FQN, WRITING_MARKER, FileRecord, Manifest, probe
-from smpckpt.storage.full._exchange import moves_cpu_tensors, plan_exchanges
+from smpckpt.storage.full._exchange import plan_exchanges
 from smpckpt.storage.full._plan import plan_artifact
 from smpckpt.storage.full._source import ArtifactLayout
 from smpckpt.storage.full._units import BoxUnits, rows_of
@@ -110,7 +110,10 @@ def begin_full_save(
     extra_names = [_names.MANIFEST_NAME, WRITING_MARKER, "config.json", _names.generation_metadata_name(save_id)]
     gather = not is_local(fs)  # an object cannot be written at offsets by many ranks
     # both algorithms send shard bytes (CPU tensors) over the process group: gather needs it, swaps prefer it
-    cpu_group = len(plans) < 2 or moves_cpu_tensors(process_group)
+    # (gloo; an NCCL-only group cannot send CPU tensors)
+    cpu_group = len(plans) < 2 or (
+        dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend(process_group)).lower()
+    )
     if gather and not cpu_group:
         raise CheckpointError(
             f"{url}: a full save to an object store sends shard bytes (CPU tensors) to each file's owner rank "
@@ -155,19 +158,15 @@ def artifact_records(
             folder.fsync(f.name)
         records.append(FileRecord(f.name, f.size, -1, (), (), checks="tensors"))
     side = dict(layout.indexes)
-    cfg = options.hf_config_json(weights_dtype(layout, options))
+    # config.json's dtype: the floating-point dtype most model tensors are stored in
+    model = [d for fqn, d in layout.dtypes.items() if (options.route(fqn) or ("",))[0] == "model"]
+    counts = Counter(d for d in model if d.is_floating_point)
+    cfg = options.hf_config_json(counts.most_common(1)[0][0] if counts else None)
     if cfg is not None:
         side["config.json"] = cfg
     for name, data in side.items():
         records.append(FileRecord(name, len(data), -1, (len(data),), (hash_bytes(data),)))
     return records, side
-
-
-def weights_dtype(layout: ArtifactLayout, options: FullOptions) -> torch.dtype | None:
-    """The floating-point dtype most model tensors are stored in (``config.json``'s ``dtype``)."""
-    model = [d for fqn, d in layout.dtypes.items() if (options.route(fqn) or ("",))[0] == "model"]
-    counts = Counter(d for d in model if d.is_floating_point)
-    return counts.most_common(1)[0][0] if counts else None
 
 
 def whole_tensor_metadata(

@@ -1,10 +1,8 @@
 """Full mode on POSIX: column shards with short rows are written as blocks of whole rows, after a swap.
 
-A column shard is one short run per row, interleaved with the other ranks' runs: written in place, one
-``pwrite`` per row (``benchmarks/RESULTS_full.md``: 0.45-0.65x the partial save). So its writers swap
-bytes over the process group first: writer ``i`` of ``k`` ends up with rows ``[n*i//k, n*(i+1)//k)``,
-all columns, and writes them as one run. Swaps of consecutive small tensors travel together in batches
-of up to :data:`SWAP_BATCH_BYTES` (one message per pair of ranks and batch each way). Every rank walks
+Why: README, "Full checkpoints". Writer ``i`` of ``k`` ends up with rows ``[n*i//k, n*(i+1)//k)``, all
+columns, and writes them as one run. Swaps of consecutive small tensors travel together in batches of up
+to :data:`SWAP_BATCH_BYTES` (one message per pair of ranks and batch each way). Every rank walks
 its batches in one global order (file, offset), sends before it waits, and lays out each message in the
 (swap, block, box) order its peer derives alike: no deadlock, whatever the layout.
 
@@ -27,10 +25,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlan
 
 from smpckpt.errors import CheckpointError
-from smpckpt.storage.format._regions import box_runs
+from smpckpt.storage.format._reading import box_runs
 from smpckpt.storage.full._source import FullWrite, RankFullData
 
-__all__ = ["Exchange", "Block", "Swapper", "batches", "plan_exchanges", "moves_cpu_tensors"]
+__all__ = ["Exchange", "Block", "Swapper", "batches", "plan_exchanges"]
 __all__ += ["global_rank", "paste", "SWAP_BATCH_BYTES"]
 
 
@@ -41,28 +39,6 @@ class Exchange:
     boxes: tuple[tuple[int, FullWrite], ...]  # (rank, box) -- every box of the tensor, each spanning dim 0
     blocks: tuple[tuple[int, int, int], ...]  # (rank, first row, end row) of dim 0, one per writer
     batch: int = 0  # swaps of one batch cross as one message per pair of ranks (numbered in global order)
-
-    def block_write(self, rank: int) -> FullWrite | None:
-        """The one-run box ``rank`` writes (its rows, every column), or None when it has no rows."""
-        for r, lo, hi in self.blocks:
-            if r == rank and hi > lo:
-                first = next(w for rr, w in self.boxes if rr == rank)
-                view = first.view
-                return dataclasses.replace(
-                    first,
-                    offsets=(lo,) + (0,) * (len(view) - 1),
-                    sizes=(hi - lo,) + tuple(view[1:]),
-                    perm=tuple(range(len(view))),
-                    dest_offsets=(0,) * len(view),
-                )
-        return None
-
-
-def moves_cpu_tensors(process_group: Any) -> bool:
-    """Whether send/recv of CPU tensors works on this group (gloo; an NCCL-only group cannot)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return "gloo" in str(dist.get_backend(process_group)).lower()
 
 
 def _swappable(boxes: list[tuple[int, FullWrite]], below: int) -> bool:
@@ -161,10 +137,19 @@ class Swapper:
         incoming: dict[int, list[tuple[int, FullWrite, int]]] = {}  # peer -> (swap, its box, bytes)
         made: list[_Assembly | None] = []  # per swap of the batch: my block, its bytes, its pieces
         for j, e in enumerate(batch):
-            block_w = e.block_write(self.me)
             mine: _Assembly | None = None
-            if block_w is not None:
-                mine = (block_w, np.empty(math.prod(block_w.sizes) * block_w.dtype.itemsize, np.uint8), [])
+            for r, lo, hi in e.blocks:  # my one-run block (my rows, every column), when I have rows
+                if r == self.me and hi > lo:
+                    first = next(w for rr, w in e.boxes if rr == self.me)
+                    nd = len(first.view)
+                    block_w = dataclasses.replace(
+                        first,
+                        offsets=(lo,) + (0,) * (nd - 1),
+                        sizes=(hi - lo,) + tuple(first.view[1:]),
+                        perm=tuple(range(nd)),
+                        dest_offsets=(0,) * nd,
+                    )
+                    mine = (block_w, np.empty(math.prod(block_w.sizes) * block_w.dtype.itemsize, np.uint8), [])
             made.append(mine)
             for s, lo, hi in e.blocks:
                 for r, w in e.boxes if hi > lo else ():

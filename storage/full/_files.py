@@ -2,15 +2,9 @@
 fetched in enclosing spans of at most :data:`SPAN_BYTES` shared by a column box's rows and by
 neighbouring tensors (:func:`plan_spans`, :class:`SpanFetcher`) and the runs cut out of them.
 
-Column (strided) boxes on local files are read by the partial reader's cost model. A column box is one run per row. Where the rows' unread gap costs less than a request
-(:func:`~smpckpt.storage.format._columns.streams`), the rows are read as sequential spans of whole rows
-in pieces of about :data:`~smpckpt.storage.format._columns.STREAM_PIECE_BYTES` that never cut a check
-unit, each through a reused buffer where its units are verified and the box's columns copied out; wider
-gaps keep a request per row. Either way a box is work for several threads (:func:`share`): its pieces,
-or its rows' requests in groups of about :data:`PART_BYTES` (:func:`row_groups`), drawn one at a time by
-the reading thread and the reader's free threads (one thread alone left the device idle between small
-requests: ``benchmarks/RESULTS.md``). Each part writes only its own rows; memory stays one piece buffer
-per reader thread.
+Column (strided) boxes on local files take the partial reader's cost model (README, "Storage": streamed
+spans of whole rows, :func:`stream_plan`, or a request per row), their parts shared by the reader's free
+threads (:func:`share`: one thread alone left the device idle between small requests).
 """
 
 from __future__ import annotations
@@ -123,7 +117,12 @@ class RunFiles:
             return len(starts) * run
         # Object stores: a GET costs far more than the bytes between strided runs (a column shard's
         # rows), so runs are fetched in enclosing spans of up to SPAN_BYTES and cut out here.
-        groups = _span_groups(starts, run)
+        groups: list[tuple[int, int]] = []  # index ranges [a, b) of starts whose runs fit one span
+        a = 0
+        for i in range(1, len(starts) + 1):
+            if i == len(starts) or int(starts[i]) + run - int(starts[a]) > SPAN_BYTES:
+                groups.append((a, i))
+                a = i
         spans = [(int(starts[a]), int(starts[b - 1]) + run - int(starts[a])) for a, b in groups]
         first, end = spans[0][0], spans[-1][0] + spans[-1][1]
         held = [h for h in getattr(self._tls, "held", ()) if h[0] == name and h[1] <= first and end <= h[1] + len(h[2])]
@@ -246,17 +245,6 @@ class SpanFetcher:
             f.cancel()
         self.futures.clear()
         self._pool.shutdown(wait=True)
-
-
-def _span_groups(starts: np.ndarray, run: int) -> list[tuple[int, int]]:
-    """Index ranges ``[a, b)`` of ``starts`` whose runs fit one span of at most ``SPAN_BYTES``."""
-    out: list[tuple[int, int]] = []
-    a = 0
-    for i in range(1, len(starts) + 1):
-        if i == len(starts) or int(starts[i]) + run - int(starts[a]) > SPAN_BYTES:
-            out.append((a, i))
-            a = i
-    return out
 
 
 #: bytes of rows (requested) one thread reads as one part of a column box read a request per row: small

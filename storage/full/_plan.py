@@ -8,10 +8,8 @@ keys to Hugging Face keys region by region (a fused QKV shard becomes boxes of `
 transposed, never assembled). Each write is cut into check units of about ``check_block`` bytes whose
 xxh3 go into the generation's metadata.
 
-``torch_save`` files are laid out by ``torch.save`` itself (:func:`_torch_file`): the flat dict, made of
-FakeTensors, saved under ``torch.serialization.skip_data``, leaves a hole where each storage goes; the
-result loads with ``torch.load(path, weights_only=True)`` (``mmap=True`` too) with nothing of ours
-installed. Record CRCs are zero (``set_crc32_options(False)``); integrity comes from the check units.
+``torch_save`` files are laid out by ``torch.save`` itself (:func:`_torch_file`; README, "Full checkpoints").
+Record CRCs are zero (``set_crc32_options(False)``); integrity comes from the check units.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from smpckpt.errors import CheckpointError, SpecError
 from smpckpt.hf import check_translation
 from smpckpt.model.translation import Expr, Leaf, Translation, pieces
-from smpckpt.storage.format._regions import Box, intersect
+from smpckpt.storage.format._reading import Box, intersect
 from smpckpt.storage.full._source import (
     ArtifactFile,
     ArtifactLayout,
@@ -71,8 +69,7 @@ def plan_artifact(
     gather: bool = False,
 ) -> tuple[list[SavePlan], ArtifactLayout]:
     """(coordinator) The artifact layout and every rank's writes; raises naming the key at fault."""
-    shapes, dtypes, chunks, object_items = _collect(plans)
-    _check_tiling(shapes, chunks)
+    shapes, dtypes, object_items = _collect(plans)
     exprs, art_shapes, art_dtypes = _expressions(shapes, dtypes, opts, original_shapes)
     files, tensors, indexes = _files(art_shapes, art_dtypes, opts.max_shard_size, len(plans), opts.format)
     objects, rank_objects = _objects(object_items, {f.name for f in files} | set(indexes) | set(reserved_names))
@@ -90,8 +87,9 @@ def plan_artifact(
 
 def _collect(
     plans: Sequence[SavePlan],
-) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype], dict[str, list[Box]], list[tuple[int, MetadataIndex]]]:
-    """Every tensor's global shape, dtype and chunks, and every object item, from all ranks' plans."""
+) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype], list[tuple[int, MetadataIndex]]]:
+    """Every tensor's global shape and dtype, and every object item, from all ranks' plans; every tensor's
+    chunks must cover it exactly once (a hole would be zeros in the artifact, silently)."""
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, torch.dtype] = {}
     chunks: dict[str, list[Box]] = {}
@@ -109,8 +107,20 @@ def _collect(
             ):
                 raise SpecError(f"{fqn!r}: ranks disagree on its global shape or dtype ({shapes[fqn]} vs {size})")
             chunks.setdefault(fqn, []).append((tuple(td.chunk.offsets), tuple(td.chunk.sizes)))
-
-    return shapes, dtypes, chunks, object_items
+    for fqn, shape in shapes.items():
+        boxes = chunks[fqn]
+        covered = sum(math.prod(s) for _, s in boxes)
+        if covered != math.prod(shape):
+            raise SpecError(
+                f"{fqn!r}: the ranks' shards cover {covered} of its {math.prod(shape)} elements (global shape "
+                f"{list(shape)}); a full artifact needs every element exactly once"
+            )
+        if len(boxes) <= 64:
+            for i in range(len(boxes)):
+                for j in range(i + 1, len(boxes)):
+                    if intersect(boxes[i], boxes[j]) is not None:
+                        raise SpecError(f"{fqn!r}: shards at offsets {boxes[i][0]} and {boxes[j][0]} overlap")
+    return shapes, dtypes, object_items
 
 
 def _expressions(
@@ -195,8 +205,11 @@ def _files(
         dtypes = art_dtypes.get(art, {})
         nbytes = {k: math.prod(shape) * dtypes[k].itemsize for k, shape in art_shapes[art].items() if k in dtypes}
         total = sum(nbytes.values())
-        # max_shard_size is bytes already (FullOptions parses it)
-        cap = int(max_shard_size) if max_shard_size is not None else _auto_shard_size(total, world)
+        if max_shard_size is not None:
+            cap = int(max_shard_size)  # bytes already (FullOptions parses it)
+        else:  # Hugging Face's 5 GB, lowered so each rank can start on its own file (at most 2 x world)
+            count = max(-(-total // (5 * 10**9)), min(2 * world, total // (256 << 20), 64), 1)  # integer ceilings
+            cap = max(1, -(-total // count))
         groups: list[list[str]] = [[]]
         size = 0
         for k, n in nbytes.items():
@@ -214,7 +227,14 @@ def _files(
         weight_map: dict[str, str] = {}
         for name, keys in zip(names, groups):
             entries = [(k, art_dtypes[art][k], art_shapes[art][k]) for k in keys]
-            f = _layout_file(name, entries, file_format)
+            if file_format == "torch_save":
+                f = _torch_file(name, entries)
+            else:
+                header, placed = encode_header(entries, {"format": "pt", "writer": "smpckpt"})
+                end = max([e.start + e.nbytes for e in placed], default=len(header))
+                f = ArtifactFile(
+                    name, ((0, header),), end, tuple(e.key for e in placed), tuple(e.start for e in placed)
+                )
             files.append(f)
             for (k, dtype, shape), start in zip(entries, f.starts):
                 tensors[f"{art}/{k}"] = (art, name, start, dtype, shape)
@@ -228,14 +248,6 @@ def _files(
 
 #: Hugging Face's torch.save file names (``pytorch_model.bin``); other artifacts keep their own stem
 _TORCH_STEMS = MappingProxyType({"model": "pytorch_model"})
-
-
-def _layout_file(name: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], file_format: str) -> ArtifactFile:
-    if file_format == "torch_save":
-        return _torch_file(name, entries)
-    header, tensors = encode_header(entries, {"format": "pt", "writer": "smpckpt"})
-    end = max([e.start + e.nbytes for e in tensors], default=len(header))
-    return ArtifactFile(name, ((0, header),), end, tuple(e.key for e in tensors), tuple(e.start for e in tensors))
 
 
 def _torch_file(name: str, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> ArtifactFile:
@@ -267,13 +279,6 @@ def _torch_file(name: str, entries: Sequence[tuple[str, torch.dtype, tuple[int, 
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def _auto_shard_size(total: int, world: int) -> int:
-    """Hugging Face's 5 GB, lowered so each rank can start on its own file (at most ``2 x world``)."""
-    hf = 5 * 10**9
-    files = max(-(-total // hf), min(2 * world, total // (256 << 20), 64), 1)  # integer ceilings: no float
-    return max(1, -(-total // files))
 
 
 def _objects(
@@ -337,20 +342,3 @@ def _rank_writes(
         )
         out.append(dataclasses.replace(plan, storage_data=data))
     return out
-
-
-def _check_tiling(shapes: Mapping[str, tuple[int, ...]], chunks: Mapping[str, list[Box]]) -> None:
-    """Every tensor's chunks cover it exactly once: a hole would be zeros in the artifact, silently."""
-    for fqn, shape in shapes.items():
-        boxes = chunks[fqn]
-        covered = sum(math.prod(s) for _, s in boxes)
-        if covered != math.prod(shape):
-            raise SpecError(
-                f"{fqn!r}: the ranks' shards cover {covered} of its {math.prod(shape)} elements (global shape "
-                f"{list(shape)}); a full artifact needs every element exactly once"
-            )
-        if len(boxes) <= 64:
-            for i in range(len(boxes)):
-                for j in range(i + 1, len(boxes)):
-                    if intersect(boxes[i], boxes[j]) is not None:
-                        raise SpecError(f"{fqn!r}: shards at offsets {boxes[i][0]} and {boxes[j][0]} overlap")

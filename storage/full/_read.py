@@ -1,7 +1,7 @@
 """Full (consolidated) artifacts and Hugging Face folders, reading: exact boxes, verified.
 
 A read request maps through its expression to boxes of artifact tensors
-(:func:`smpckpt.model.translation.pieces`), each a set of byte runs (:func:`~._regions.box_runs`); the
+(:func:`smpckpt.model.translation.pieces`), each a set of byte runs (:func:`~._reading.box_runs`); the
 check units a box touches are read whole and verified. Where the tensors are comes from
 :class:`~._source.ArtifactIndex`.
 """
@@ -27,7 +27,7 @@ from smpckpt.model.translation import Leaf, Piece, pieces, reshaped
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts
 from smpckpt.storage.format._columns import REQUEST_COST_BYTES
-from smpckpt.storage.format._regions import Box, box_runs
+from smpckpt.storage.format._reading import Box, box_runs
 from smpckpt.storage.format._safe_pickle import check_weights_only
 from smpckpt.storage.full import _files
 from smpckpt.storage.full._files import Held, RunFiles, SpanFetcher, plan_spans

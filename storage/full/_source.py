@@ -14,10 +14,7 @@ and a plain Hugging Face folder (no manifest: *unverified*, like a stock DCP che
 :class:`ArtifactIndex` and a DCP ``Metadata`` with one chunk per tensor, so any load planner reshards
 from them; the reads are ``_read``'s.
 
-A Hugging Face folder leaves a tied key out (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``):
-a model holding the head apart gets its values from the embedding's bytes. Which keys are tied comes
-from the load's translation, else from ``config.json``'s ``model_type`` (``"tie_word_embeddings":
-false`` ties nothing: :func:`hf_folder_ties`).
+A Hugging Face folder's tied keys left out (README, "Tied parameters"): :func:`hf_folder_ties`.
 """
 
 from __future__ import annotations

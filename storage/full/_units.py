@@ -13,8 +13,7 @@ import numpy as np
 import torch
 
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts, hash_rows
-from smpckpt.storage.format._reading import c_strides, cpu_bytes
-from smpckpt.storage.format._regions import Box, box_runs, intersect
+from smpckpt.storage.format._reading import Box, box_runs, c_strides, cpu_bytes, intersect
 
 __all__ = ["Unit", "BoxUnits", "UnitIndex", "rows_of", "cross_view", "intervals", "unit_extent", "bytes_of"]
 

@@ -8,13 +8,10 @@ column shards with short rows are first swapped into blocks of whole rows, ``_ex
 each check unit from the same buffer.
 
 **Object stores**: every file has an owner rank (round-robin) that streams it front to back
-(:func:`gather_rank`), assembling tensor by tensor from its own boxes and those the other ranks send
-(``send``/``recv`` of the box bytes). Every rank walks the same global order of boxes (file, tensor
-offset, sending rank), so each send meets its receive: no deadlock. An owner holds one tensor (plus one
-received box) at a time. The sink borrows what it is given: none of it changes before the sink's commit.
-
-Why two: on POSIX, gather-to-owner took 1.8-3.2x pwrite's time (``benchmarks/RESULTS_full.md``), and it
-is the only one an object store can take.
+(:func:`gather_rank`), assembling tensor by tensor from its own boxes and those the other ranks send.
+Every rank walks the same global order of boxes (file, tensor offset, sending rank), so each send meets
+its receive: no deadlock. An owner holds one tensor (plus one received box) at a time. The sink borrows
+what it is given: none of it changes before the sink's commit. Why two: README, "Full checkpoints".
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._sinks import Sink, write_back
 from smpckpt.storage.format._check_units import ItemChecks, item_checks
 from smpckpt.storage.format._checksum import BlockHasher, hash_bytes
-from smpckpt.storage.format._reading import cpu_bytes
-from smpckpt.storage.format._regions import box_runs, range_boxes, split_box
+from smpckpt.storage.format._reading import box_runs, cpu_bytes, range_boxes, split_box
 from smpckpt.storage.format._staging import HostBuffer, Stage, Stages, Ticket, copy_chunks, settle, stage_kind
 from smpckpt.storage.full._exchange import Block, Swapper, batches, global_rank, paste
 from smpckpt.storage.full._source import ArtifactFile, FullWrite, RankFullData
@@ -173,23 +169,17 @@ class _BoxHasher:
         return BoxUnits.pack(self.w.key, self.w.view, self.offsets, self.sizes, digests)
 
 
-def _spans(writes: Sequence[FullWrite]) -> dict[str, tuple[int, int]]:
-    """Per file, the byte span ``[lo, hi)`` that covers this rank's boxes."""
-    spans: dict[str, tuple[int, int]] = {}
-    for w in writes:
-        ext = unit_extent(w.view, w.offsets, w.sizes, w.dtype.itemsize, ())
-        if ext is not None:
-            lo, hi = spans.get(w.file, (w.start + ext[0], 0))
-            spans[w.file] = (min(lo, w.start + ext[0]), max(hi, w.start + ext[1]))
-    return spans
-
-
 def _flush(fds: dict[str, int], writes: Sequence[FullWrite]) -> None:
     """Make this rank's bytes reach the disk before it reports success. On Linux each rank writes back and
     waits for the spans of its own boxes (``sync_file_range``, every span submitted before the first wait),
     and the coordinator fsyncs each file once before the commit: no rank waits on the others' pages.
     Elsewhere: fsync."""
-    spans = _spans(writes)
+    spans: dict[str, tuple[int, int]] = {}  # per file, the byte span [lo, hi) covering this rank's boxes
+    for w in writes:
+        ext = unit_extent(w.view, w.offsets, w.sizes, w.dtype.itemsize, ())
+        if ext is not None:
+            lo, hi = spans.get(w.file, (w.start + ext[0], 0))
+            spans[w.file] = (min(lo, w.start + ext[0]), max(hi, w.start + ext[1]))
     for name, fd in fds.items():
         lo, hi = spans.get(name, (0, 1))  # never length 0: sync_file_range reads it as "to the end"
         write_back(fd, lo, hi - lo, wait=False)
@@ -197,14 +187,6 @@ def _flush(fds: dict[str, int], writes: Sequence[FullWrite]) -> None:
         lo, hi = spans.get(name, (0, 1))
         if not write_back(fd, lo, hi - lo, wait=True):
             os.fsync(fd)
-
-
-def _file_order(files: Sequence[str], rank: int, world: int) -> list[str]:
-    """This rank's files, starting at its own place in the list: the kernel serialises buffered writes into
-    one file, so ranks starting on different files mostly stay on different files."""
-    files = sorted(files)
-    first = rank * len(files) // max(1, world)
-    return files[first:] + files[:first]
 
 
 class _RankWriter:
@@ -251,21 +233,22 @@ class _RankWriter:
             n, us = self.done.get(index, (0, []))
             self.done[index] = (n + nbytes, us + units)
 
-    def _write_item(self, item: WriteItem) -> None:
-        """Each of the item's boxes written in place when the tensor's memory is its row-major bytes of the
+    def _write_file(self, name: str) -> None:
+        """Each box of the file's items written in place when the tensor's memory is its row-major bytes of the
         artifact dtype, else staged a buffer at a time through the save's pool (device-to-host, transpose,
         cast), each chunk written and hashed while the next is copied: extra memory stays within the pool."""
-        chunk = chunk_of(self.planner, item, cpu=False)  # the planner resolves each item once
-        for w in self.by_item[item.index]:
-            box = box_view(chunk, w)
-            own = cpu_bytes(box) if box.dtype == w.dtype and box.device.type == "cpu" else None
-            kind = stage_kind(box, in_place=own is not None)
-            if kind is None and own is not None:
-                _put(self.fds[w.file], w, own)
-                self._record(item.index, own.nbytes, [unit_digests(w, own, self.data.check_block)])
-            else:
-                units = self._stage_box(w, box, self.stages.get(box, kind or "host"))
-                self._record(item.index, math.prod(w.sizes) * w.dtype.itemsize, [units])
+        for item in self.per_file[name]:
+            chunk = chunk_of(self.planner, item, cpu=False)  # the planner resolves each item once
+            for w in self.by_item[item.index]:
+                box = box_view(chunk, w)
+                own = cpu_bytes(box) if box.dtype == w.dtype and box.device.type == "cpu" else None
+                kind = stage_kind(box, in_place=own is not None)
+                if kind is None and own is not None:
+                    _put(self.fds[w.file], w, own)
+                    self._record(item.index, own.nbytes, [unit_digests(w, own, self.data.check_block)])
+                else:
+                    units = self._stage_box(w, box, self.stages.get(box, kind or "host"))
+                    self._record(item.index, math.prod(w.sizes) * w.dtype.itemsize, [units])
 
     def _stage_box(self, w: FullWrite, box: torch.Tensor, stage: Stage) -> BoxUnits:
         """One box through ``stage``: a buffer's worth of elements at a time (whole row groups of a tiled box),
@@ -323,10 +306,6 @@ class _RankWriter:
                     pool.release(pending[0])
         return hasher.finish()
 
-    def _write_file(self, name: str) -> None:
-        for it in self.per_file[name]:
-            self._write_item(it)
-
     def _swap_all(self, process_group: Any) -> None:
         swapper = Swapper(self.data.rank, process_group)
         # one batch's blocks are written while the next batch's rows cross the group: two batches in memory
@@ -351,7 +330,11 @@ class _RankWriter:
                 # a swap failed during the previous block's write: report that write's failure too
                 lost = writing.exception() if writing is not None else None
                 if lost is not None:
-                    _note(exc, f"writing the previous swap blocks into {writing_to} failed too: {lost!r}")
+                    text = f"writing the previous swap blocks into {writing_to} failed too: {lost!r}"
+                    if hasattr(exc, "add_note"):  # Python 3.11+; a log line before
+                        exc.add_note(text)
+                    else:
+                        log.error("%s (while raising %r)", text, exc)
                 raise
             if writing is not None:
                 writing.result()
@@ -368,12 +351,15 @@ class _RankWriter:
         """(every rank) Write this rank's boxes and row-block swaps; durable when it returns (``sync``). Each
         thread writes whole files, one at a time, in this rank's staggered file order (no two threads share a
         file); swaps (:mod:`._exchange`) run in one more thread, in the global order."""
-        order = _file_order(list(self.per_file), self.data.rank, self.data.world)
+        # this rank's files from its own place in the list: the kernel serialises buffered writes into one
+        # file, so ranks starting on different files mostly stay on different files
+        files = sorted(self.per_file)
+        first = self.data.rank * len(files) // max(1, self.data.world)
+        order = files[first:] + files[:first]
         workers = max(1, min(thread_count, len(order) // max(1, self.data.world)))
         with concurrent.futures.ThreadPoolExecutor(workers + 1, thread_name_prefix="smpckpt-full") as pool:
             swaps = pool.submit(self._swap_all, process_group) if self.data.exchanges else None
-            files = [pool.submit(self._write_file, name) for name in order]
-            for f in files:
+            for f in [pool.submit(self._write_file, name) for name in order]:
                 f.result()
             if swaps is not None:
                 swaps.result()
@@ -390,14 +376,6 @@ def tensor_results(items: Sequence[WriteItem], done: Mapping[Any, tuple[int, lis
             nbytes, units = done.get(it.index, (0, []))
             results.append(WriteResult(index=it.index, size_in_bytes=nbytes, storage_data=tuple(units)))
     return results
-
-
-def _note(exc: BaseException, text: str) -> None:
-    """Add ``text`` to the exception's report (a note on Python 3.11+; a log line before)."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(text)
-    else:
-        log.error("%s (while raising %r)", text, exc)
 
 
 def write_objects(

@@ -1,12 +1,9 @@
 """Reading a fast-tier copy (``PeerFetchingReader``), and the parts it fetches from peers over a gloo group
 (:func:`run_transfers`; a save's replicas: ``storage/tier/writer.py``; both received by :class:`Incoming`).
 
-``PeerFetchingReader`` follows :class:`~smpckpt.storage.FsspecStorageReader`'s call order, plus: the
-coordinator's ``prepare_global_plan`` picks which files each node lacks for its ranks' reads (one copy
-per node, from the least loaded holder); ``read_data`` first runs that schedule (broadcast), the
-transfers and one agreement on their errors, then the reads. Only files some rank of the node reads
-from are fetched, whole, and they stay: the copy is healed for the next resume. Every rank's folder
-must already hold the manifest and metadata (the API writes them first).
+``PeerFetchingReader`` follows :class:`~smpckpt.storage.FsspecStorageReader`'s call order, plus what its
+``prepare_global_plan`` and ``read_data`` say (README, "Tiered checkpoints": the parts a node lacks,
+fetched whole, stay). Every rank's folder must already hold the manifest and metadata (the API writes them first).
 
 Transfers: every rank walks the same list of :class:`Transfer` in order, sends on one thread and
 receives on another, so the earliest unfinished transfer always has both ends waiting for it: no

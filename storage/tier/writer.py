@@ -1,11 +1,7 @@
-"""A fast-tier copy written into this node's folder (``FastTierWriter``), committed per node only after
-every node holds its share (:func:`commit_node_copy`); and its replicas, sent to other nodes while each
-file is written (:class:`Replicator`). README, "Tiered checkpoints", describes the protocol.
-
-``dcp.save`` runs as with :class:`FsspecStorageWriter`, except that the coordinator's ``finish`` only
-keeps the manifest and metadata bytes (:attr:`FastTierWriter.prepared`); the API sends them to every
-rank, agrees that every node holds its share, and only then each node's first rank commits its copy.
-So a manifest on any node proves every node held its share; a kill before the agreement commits nothing.
+"""A fast-tier copy written into this node's folder (``FastTierWriter``: the coordinator's ``finish`` only
+keeps the manifest and metadata bytes), committed per node only after every node holds its share
+(:func:`commit_node_copy`); and its replicas, sent to other nodes while each file is written
+(:class:`Replicator`). README, "Tiered checkpoints", describes the protocol.
 
 Replicas: each data file goes, chunk by chunk as its sink receives it, to the same local rank of the
 next ``replicas - 1`` nodes (ring order), over one sender and one receiver thread per (group, hop); a
@@ -20,8 +16,7 @@ a failed sender drops the rest and wakes writers waiting on it, which raise nami
 Threads: senders and receivers are tasks on :class:`Workers`, threads their owner (a Checkpointer's fast
 tier) keeps for all its saves; a data write past :data:`CHUNK` goes out in messages of at most ``CHUNK``
 bytes, so a pool thread that ran a receiver holds one ``CHUNK`` buffer (senders share the pool: up to one
-per thread), kept for every save (threads new at each save
-left glibc's per-thread arenas holding their freed buffers: README, "Tiered checkpoints", Memory).
+per thread), kept for every save (README, "Tiered checkpoints", Memory).
 
 Memory: the queue holds views of the writer's buffers (a sink's ``commit`` returns only once its last
 message went out, so ``borrow=True`` holds), at most ``max_queued`` bytes of data (:class:`_Budget`, by
@@ -59,7 +54,7 @@ from smpckpt.storage.tier.reader import Incoming, Transfer, TransferOutcome
 from smpckpt.storage.write.writer import FsspecStorageWriter, RankPlanData, Workers
 
 __all__ = ["FastTierWriter", "PreparedCommit", "commit_node_copy", "parts_of"]
-__all__ += ["Replicator", "TeeSink", "Workers", "ring_peers", "CHUNK"]
+__all__ += ["Replicator", "TeeSink", "Workers", "CHUNK"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,17 +155,6 @@ CHUNK = 4 << 20
 _WAIT_S = 1.0
 
 
-def ring_peers(rank: int, world_size: int, local_world_size: int, replicas: int) -> tuple[list[int], list[int]]:
-    """The ranks ``rank`` sends to (its local rank on the next ``replicas - 1`` nodes) and receives from."""
-    sends = [(rank + hop * local_world_size) % world_size for hop in range(1, replicas)]
-    receives = [(rank - hop * local_world_size) % world_size for hop in range(1, replicas)]
-    return sends, receives
-
-
-def _header(kind: int, file: int = 0, n: int = 0, extra: int = 0) -> torch.Tensor:
-    return torch.tensor([kind, file, n, extra], dtype=torch.int64)
-
-
 def _as_tensor(data: memoryview | bytes) -> torch.Tensor:
     with warnings.catch_warnings():  # a read-only buffer: gloo only reads it
         warnings.simplefilter("ignore")
@@ -258,7 +242,7 @@ class _Sender:
                 return
 
     def _send(self, kind: int, file: int, payload: Any, n: int, extra: int) -> None:
-        works = [dist.isend(_header(kind, file, n, extra), dst=self.dst, group=self.group)]
+        works = [dist.isend(torch.tensor([kind, file, n, extra], dtype=torch.int64), dst=self.dst, group=self.group)]
         if payload is not None:
             works.append(dist.isend(_as_tensor(payload), dst=self.dst, group=self.group))
         for work in works:
@@ -355,7 +339,9 @@ class Replicator:
         max_queued: int = STAGING_BYTES,
         workers: Workers | None = None,
     ) -> None:
-        sends, receives = ring_peers(rank, world_size, local_world_size, replicas)
+        # sent to its local rank on the next replicas - 1 nodes, received from the previous ones
+        sends = [(rank + hop * local_world_size) % world_size for hop in range(1, replicas)]
+        receives = [(rank - hop * local_world_size) % world_size for hop in range(1, replicas)]
         self.outcome = TransferOutcome()
         self._lock = threading.Lock()
         self._count = 0

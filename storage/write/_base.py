@@ -1,23 +1,12 @@
 """What both writers share (``FsspecStorageWriter``, ``FullArtifactWriter``): the steps of ``dcp.save``
-that do not depend on the product (:class:`FsspecWriterBase`), the removal of what a failed save wrote
-(:class:`FailedSaveFiles`), and the compact forms of what ``dcp.save`` sends between ranks once the data
-is written (:func:`pack_results`, :func:`lean_returned_metadata`).
-
-**A failed save's files.** ``dcp.save`` reports a failure only after every rank's ``write_data`` (and
-the coordinator's ``finish``) returned, so nothing is still being written. Each rank then removes,
-through the protocol's folder, the files it recorded: a partial save's data files and the metadata
-copy; on object stores a full save's artifact, side files and metadata copy, its in-progress marker
-last and only while it names that save (POSIX: the staging folder goes whole). Nothing is removed when
-a manifest shows the commit landed (partial: this save's id; full: any), when the folder cannot be
-read, or when the commit's outcome is unknown (:class:`CommitUncertain`). The folder goes only if this
-save made it and it is empty. Killed saves' debris is left to ``smpckpt prune`` (judged by age).
-
-**What crosses ranks.** DCP gathers the write results and broadcasts the ``Metadata`` as pickles,
-unpickled with the cyclic collector running: an object per item sets off full collections
-(benchmarks/RESULTS.md, "Results and Metadata across ranks"). So each rank's results cross as one
-pickle (:func:`pack_results`, opened with the collector paused: :func:`open_results`), and the Metadata
-``dcp.save`` returns holds its mappings as read-only views of the committed file's bytes, decoded on
-first use (:func:`lean_returned_metadata`). The ``.metadata`` files still hold the plain dict.
+that do not depend on the product (:class:`FsspecWriterBase`); the removal of what a failed save wrote
+(:class:`FailedSaveFiles`; what goes and when nothing does: README, "A failed save cleans up after
+itself"; ``dcp.save`` reports a failure only once every rank's ``write_data`` and the coordinator's
+``finish`` returned, so nothing is still being written); and the compact forms of what ``dcp.save``
+sends between ranks once the data is written, unpickled with the cyclic collector running (README, "What
+crosses ranks is kept lean"): each rank's results as one pickle (:func:`pack_results`, opened with the
+collector paused: :func:`open_results`), the returned Metadata's mappings as read-only views of the
+committed file's bytes, decoded on first use (:func:`lean_returned_metadata`).
 """
 
 from __future__ import annotations
@@ -63,7 +52,6 @@ from smpckpt.storage.format.manifest import (
 __all__ = ["FsspecWriterBase", "MIN_PART_SIZE", "WriterOptions", "CommitUncertain", "FailedSaveFiles"]
 __all__ += ["commit_uncertain", "folder_is_new", "PackedResults", "crosses_ranks", "pack_results", "open_results"]
 __all__ += ["committed_index", "list_tied", "CommittedMetadata", "CommittedView", "lean_returned_metadata"]
-__all__ += ["with_plain_mappings"]
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +217,12 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
         with gc_paused():  # pickling and the check below each make objects per item
-            md_bytes = pickle.dumps(with_plain_mappings(metadata), protocol=pickle.HIGHEST_PROTOCOL)
+            for (
+                field
+            ) in _VIEW_FIELDS:  # a planner caching its plan may hand finish a Metadata a previous save left lean
+                if isinstance(view := getattr(metadata, field), CommittedView):
+                    setattr(metadata, field, dict(view))
+            md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
             # fail the save now rather than commit a checkpoint our allow-listed load would refuse
             load_metadata(md_bytes, where="metadata being written")
             record = LayoutRecord.json_in_metadata(metadata)  # the planner's, for listing tools
@@ -294,7 +287,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         )
 
 
-# -- a failed save's files (the module docstring: what is removed, and when not) -----------------------
+# -- a failed save's files --------------------------------------------------------------------------------
 class FailedSaveFiles:
     """The files one rank wrote for one save, to remove if that save fails. Call order: a new instance per
     save (``storage_meta``) -> :meth:`begin` (partial: ``write_data``; full: the coordinator's
@@ -313,8 +306,8 @@ class FailedSaveFiles:
             self.names.append(name)  # list.append is atomic: writer threads call this concurrently
 
     def discard(self, fs: Any, path: str, url: str, *, full: bool) -> list[str]:
-        """Remove the recorded files (see the module docstring for when not); the paths that could
-        not be removed (all of them when the folder's state cannot be read: nothing is removed blind)."""
+        """Remove the recorded files (README, "A failed save cleans up after itself": when not); the paths that
+        could not be removed (all of them when the folder's state cannot be read: nothing is removed blind)."""
         save_id, names = self.save_id, list(dict.fromkeys(self.names))
         self.save_id, self.names = None, []
         if save_id is None or not names:
@@ -478,16 +471,6 @@ class CommittedView(Mapping[Any, Any]):
 
 
 _VIEW_FIELDS = ("state_dict_metadata", "storage_data", "planner_data")
-
-
-def with_plain_mappings(metadata: Metadata) -> Metadata:
-    """``metadata`` with any committed view turned back into a dict before it is pickled into a new file (a
-    planner caching its plan may hand ``finish`` a Metadata a previous save left lean)."""
-    for field in _VIEW_FIELDS:
-        value = getattr(metadata, field)
-        if isinstance(value, CommittedView):
-            setattr(metadata, field, dict(value))
-    return metadata
 
 
 def lean_returned_metadata(metadata: Metadata, metadata_bytes: bytes, where: str) -> None:

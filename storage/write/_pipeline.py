@@ -1,18 +1,8 @@
-"""One data file's bytes on their way to its sink: in place, or staged through pooled buffers
-(:func:`~smpckpt.storage.format._staging.stage_kind` decides per record).
-
-* **in place**: a contiguous CPU tensor's own memory (or an object's bytes) is written without a copy.
-  With ``hash_beside=False`` (the writer's choice when it writes at least as many files at once as the
-  rank has CPUs) each :data:`INLINE_CHUNK` is hashed and then written by the file's own thread, so its
-  bytes come from memory once; otherwise each :data:`BESIDE_CHUNK` is hashed on the file's hash thread
-  while its own thread writes it (``benchmarks/profile_save.py --hash-beside on,off``);
-* **staged**: a CUDA tensor, a strided or conjugate view is copied into buffers of the save's
-  :class:`~smpckpt.storage.format._staging.BufferPool` by its stage: a record above :data:`PACK_BELOW`
-  in chunks of one buffer (cut on row-group boundaries, so tiles are hashed whole), smaller ones packed
-  into shared buffers. The file's thread takes the oldest queued buffer, waits for its copies, hashes
-  and writes it, and releases it when both are done; copies of the next buffers overlap.
-
-A thread that needs a buffer when the pool has none free writes its own queued buffers first and waits
+"""One data file's bytes on their way to its sink: in place (a contiguous CPU tensor's own memory, or an
+object's bytes: hashed inline a :data:`INLINE_CHUNK` at a time, or beside the write a :data:`BESIDE_CHUNK`
+at a time), or staged through pooled buffers (:func:`~smpckpt.storage.format._staging.stage_kind` decides
+per record; packed below :data:`PACK_BELOW`). README, "Storage" (write path and staging), says how and why;
+a thread that needs a buffer when the pool has none free writes its own queued buffers first and waits
 only with none queued, so the pool cannot deadlock.
 """
 
@@ -84,8 +74,14 @@ class FileStream:
         self._flush_staged()
         flat = byte_view(data)
         nbytes = flat.nbytes
-        if self.hash_beside and nbytes >= BESIDE_ABOVE:
-            self._put_beside(flat, checks)
+        if self.hash_beside and nbytes >= BESIDE_ABOVE:  # each chunk hashed on the hash thread while written here
+            self._backlog.append(self._hash.submit(self.hasher.start_item, nbytes, checks))
+            for i in range(0, nbytes, BESIDE_CHUNK):
+                chunk = flat[i : i + BESIDE_CHUNK]
+                self._backlog.append(self._hash.submit(self.hasher.update, chunk))
+                self.sink.write(chunk)
+                while len(self._backlog) > _MAX_HASH_BACKLOG:
+                    self._backlog.popleft().result()
             return
         self._wait_hashes()  # the hasher takes a file's bytes in order: staged buffers' first
         self.hasher.start_item(nbytes, checks)
@@ -96,44 +92,27 @@ class FileStream:
             self.hasher.update(chunk)
             self.sink.write(chunk)
 
-    def _put_beside(self, flat: memoryview, checks: ItemChecks | None) -> None:
-        """Each chunk hashed on the hash thread while this thread writes it (``hash_beside``)."""
-        self._backlog.append(self._hash.submit(self.hasher.start_item, flat.nbytes, checks))
-        for i in range(0, flat.nbytes, BESIDE_CHUNK):
-            chunk = flat[i : i + BESIDE_CHUNK]
-            self._backlog.append(self._hash.submit(self.hasher.update, chunk))
-            self.sink.write(chunk)
-            while len(self._backlog) > _MAX_HASH_BACKLOG:
-                self._backlog.popleft().result()
-
     # -- staged ------------------------------------------------------------------------------------
     def stage(self, t: torch.Tensor, stage: Stage, checks: ItemChecks | None) -> int:
         """A tensor record copied through ``stage``'s pool (its bytes: the tensor's values, row-major)."""
         t = t.detach()
         nbytes = t.numel() * t.element_size()
-        if nbytes < min(PACK_BELOW, self.pool.buffer_bytes // 4):
-            self._stage_small(t, stage, nbytes, checks)
-        else:
-            self._stage_chunks(t, stage, nbytes, checks)
-        return nbytes
-
-    def _stage_small(self, t: torch.Tensor, stage: Stage, nbytes: int, checks: ItemChecks | None) -> None:
-        pack = self._pack
-        if pack is not None and (pack.stage is not stage or pack.fill + nbytes > pack.buffer.size):
-            self._seal()
-            pack = None
-        if pack is None:
-            pack = self._pack = _Staged(stage, self._acquire(stage), [])
-        if nbytes:
-            # as bytes: a packed record may start at any offset, where a typed view of the buffer cannot
-            src = t.resolve_conj().resolve_neg()
-            if not src.is_contiguous():
-                src = src.contiguous()  # on its device, at most PACK_BELOW bytes
-            stage.copy(pack.buffer.tensor[pack.fill : pack.fill + nbytes], src.reshape(-1).view(torch.uint8))
-        pack.parts.append((nbytes, (nbytes, checks)))
-        pack.fill += nbytes
-
-    def _stage_chunks(self, t: torch.Tensor, stage: Stage, nbytes: int, checks: ItemChecks | None) -> None:
+        if nbytes < min(PACK_BELOW, self.pool.buffer_bytes // 4):  # packed into a shared buffer
+            pack = self._pack
+            if pack is not None and (pack.stage is not stage or pack.fill + nbytes > pack.buffer.size):
+                self._seal()
+                pack = None
+            if pack is None:
+                pack = self._pack = _Staged(stage, self._acquire(stage), [])
+            if nbytes:
+                # as bytes: a packed record may start at any offset, where a typed view of the buffer cannot
+                src = t.resolve_conj().resolve_neg()
+                if not src.is_contiguous():
+                    src = src.contiguous()  # on its device, at most PACK_BELOW bytes
+                stage.copy(pack.buffer.tensor[pack.fill : pack.fill + nbytes], src.reshape(-1).view(torch.uint8))
+            pack.parts.append((nbytes, (nbytes, checks)))
+            pack.fill += nbytes
+            return nbytes
         self._seal()
         size = t.element_size()
         step = chunk_bytes(self.pool.buffer_bytes, checks) // size
@@ -152,6 +131,7 @@ class FileStream:
                 raise
             staged.fill = (last - first) * size
             self._enqueue(staged)
+        return nbytes
 
     def _seal(self) -> None:
         pack, self._pack = self._pack, None

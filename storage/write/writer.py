@@ -2,13 +2,9 @@
 disk, shared filesystems, S3 and memory://; it shares ``_base.FsspecWriterBase`` with the full artifact's
 writer.
 
-DCP runs ``finish`` only when every rank's ``write_data`` succeeded, so a failed rank leaves no manifest
-(the folder keeps its previous generation) and ``discard_failed_save()`` removes what each rank wrote.
-Files are created, never overwritten, and the commit follows ``smpckpt.storage.format.commit``: of two
-saves racing on one folder exactly one commits (the manifest is create-if-absent, or replaces exactly
-the one the save saw, S3: ``If-Match``); the other removes its files and fails with
-:class:`~smpckpt.errors.CheckpointExists`. Data files are named per save id, so an overwrite writes a new
-generation beside the old one and a crash before the manifest swap still loads the old one.
+A failed save leaves no manifest (``_base.py``: its files go); the commit is ``storage/format/commit.py``'s
+(of two saves racing on one folder exactly one commits; the other fails with
+:class:`~smpckpt.errors.CheckpointExists`), and an overwrite writes a new generation beside the old one.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from smpckpt.storage.format._check_units import item_checks
-from smpckpt.storage.format._regions import intersect
+from smpckpt.storage.format._reading import intersect
 from smpckpt.storage.full._exchange import paste
 from smpckpt.storage.full._source import FullWrite
 from smpckpt.storage.full._units import BoxUnits, Unit, UnitIndex, rows_of

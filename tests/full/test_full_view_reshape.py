@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from smpckpt import CheckpointCorrupt, LayoutMismatch, ParallelLayout, ShardSpec
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter
-from smpckpt.storage.format._regions import box_runs
+from smpckpt.storage.format._reading import box_runs
 from smpckpt.storage.full._units import Unit, UnitIndex, cross_view
 
 TP = 2

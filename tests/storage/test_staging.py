@@ -24,7 +24,7 @@ from storage_helpers import assert_state_equal
 
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 from smpckpt.storage.format._check_units import item_checks
-from smpckpt.storage.format._regions import range_boxes
+from smpckpt.storage.format._reading import range_boxes
 from smpckpt.storage.format._staging import MIN_STAGING_BYTES, BufferPool, buffer_size
 from smpckpt.storage.tools import verify_checkpoint
 from smpckpt.storage.write._pipeline import PACK_BELOW, chunk_bytes

@@ -100,6 +100,9 @@ class Location(_Options):
             # the filesystems built from them serve this location for its life (hunt66b L1); the caller's own
             object.__setattr__(self, "storage_options", OwnedOptions(self.storage_options))
 
+    def __reduce__(self) -> Any:  # unpickled or deep-copied: its options (a plain dict then) owned again (rev67b F4)
+        return (type(self), (self.path, self.storage_options))
+
 
 @dataclasses.dataclass(frozen=True)
 class Sharding(_Options):

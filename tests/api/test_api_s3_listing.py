@@ -116,3 +116,25 @@ def test_options_changed_after_the_location_was_built_open_a_filesystem_of_their
     ckpt.resume(model=model)
     assert built == [first, moved], built  # the first options' filesystem again
     assert all(torch.equal(p, torch.full_like(p, 2.0)) for p in model.parameters())
+
+
+def test_a_location_pickled_or_copied_keeps_one_filesystem_for_its_life(
+    s3_root: tuple[str, dict[str, Any]], monkeypatch: Any
+) -> None:
+    # rev67b F4: unpickled or deep-copied, a Location's options came back a plain dict: a client per open
+    import copy
+    import pickle
+
+    from smpckpt import Checkpointer
+
+    root, options = s3_root
+    sent = (pickle.loads(pickle.dumps(Location(root, storage_options=options))), copy.deepcopy(Location(root, options)))
+    for step, again in enumerate(sent, 1):
+        built = _counted_clients(monkeypatch)
+        assert again == Location(root, storage_options=options)
+        ckpt = Checkpointer(again)
+        ckpt.save(f"s{step}", model=_model(float(step)))
+        model = _model(0.0)
+        ckpt.resume(model=model)
+        assert len(built) == 1, f"{len(built)} S3FileSystem(s) built by one Checkpointer's save and resume"
+        assert all(torch.equal(p, torch.full_like(p, float(step))) for p in model.parameters())

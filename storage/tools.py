@@ -372,8 +372,11 @@ def abort_stale_uploads(
         started = _mtime({"created": upload.get("Initiated")})
         if started is None or now - started < older_than_s:
             continue
-        with translate_errors(f"{bucket}/{upload['Key']}"):
-            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        try:
+            with translate_errors(f"{bucket}/{upload['Key']}"):
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        except FileNotFoundError:  # completed or aborted since ``uploads`` were listed (NoSuchUpload): gone
+            continue
         aborted.append(f"{bucket}/{upload['Key']}")
     return aborted
 

@@ -97,8 +97,11 @@ class Location(_Options):
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise TypeError(f"storage_options must be a mapping or None, got {type(self.storage_options).__name__}")
         if self.storage_options is not None and not isinstance(self.storage_options, OwnedOptions):
-            # the filesystem first built from them serves this location for its life (hunt66b L1)
+            # the filesystems built from them serve this location for its life (hunt66b L1); the caller's own
             object.__setattr__(self, "storage_options", OwnedOptions(self.storage_options))
+
+    def __reduce__(self) -> Any:  # unpickled or deep-copied: its options (a plain dict then) owned again (rev67b F4)
+        return (type(self), (self.path, self.storage_options))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -584,7 +584,8 @@ def apply_retention(
     from smpckpt.catalog._debris import run_each, sweep_stale  # they import this module: imported when used
 
     (fs, path), said = open_root(root_url, storage_options), set() if said is None else said
-    many = read_newest(fs, path, said) is not None  # and before each removal (another job may point it back)
+    # read before each removal (another job may point it back), first only to run several side by side
+    many = len(doomed) > 1 and not is_local(fs) and read_newest(fs, path, said) is not None
     removed = run_each(fs, doomed, lambda t: t != read_newest(fs, path, said) and remove(t, "checkpoint"), many)
     # interrupted removals, finished (8 at once too); a manifest found once marked is a save that finished that
     # removal and committed since (rev65a F2)

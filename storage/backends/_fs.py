@@ -30,6 +30,7 @@ import re
 import stat
 import threading
 import time
+from collections import UserDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Generic, Literal, Protocol, TypeVar
@@ -106,16 +107,16 @@ _LOCAL_OPTIONS = frozenset(
 )
 
 
-class OwnedOptions(dict[str, Any]):
-    """``storage_options`` keeping the filesystem :func:`open_fs` first built from them for their owner's life (a
-    Location's): s3fs's ``skip_instance_cache=True`` built a client per open (~0.4 s, 16 a save + resume: hunt66b)."""
+class OwnedOptions(UserDict[str, Any]):
+    """A Location's ``storage_options`` (the caller's mapping, not a copy) keeping the filesystems :func:`open_fs`
+    built from them, by their contents at each open: ``skip_instance_cache=True`` built one per open (hunt66b)."""
 
     def __init__(self, options: Mapping[str, Any]) -> None:
-        super().__init__(options)
-        self.opened: dict[tuple[str, int], Any] = {}  # by scheme and pid: a forked child builds its own
+        self.data = options  # type: ignore[assignment]  # a read-only mapping stays read-only
+        self.opened: dict[tuple[str, int, str], Any] = {}  # by scheme, pid (a forked child builds its own), token
 
     def __reduce__(self) -> Any:
-        return (dict, (dict(self),))  # another process builds its own
+        return (dict, (dict(self),))  # another process builds its own: a filesystem is never pickled
 
 
 def open_fs(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
@@ -136,9 +137,8 @@ def open_fs(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | No
                 f"{url}: storage_options {unknown} do not apply to a local path (local disk accepts "
                 f"{sorted(_LOCAL_OPTIONS)}); were they meant for an s3:// URL?"
             )
-    options, key = dict(storage_options or {}), (scheme, os.getpid())
-    if scheme in ("s3", "s3a"):
-        options = _s3_defaults(options)
+    options = _s3_defaults(dict(storage_options or {})) if scheme in ("s3", "s3a") else dict(storage_options or {})
+    key = (scheme, os.getpid(), fsspec.utils.tokenize(options))  # changed options (an endpoint moved): their own
     owned = storage_options.opened if isinstance(storage_options, OwnedOptions) and "::" not in url else {}
     try:
         if (fs := owned.get(key)) is not None and not type(fs)._get_kwargs_from_urls(url):
@@ -165,10 +165,9 @@ def _s3_defaults(options: dict[str, Any]) -> dict[str, Any]:
     """``options`` with our S3 client defaults under what the caller set: ``payload_signing_enabled=False``
     (hashing every body for plain-http signatures cost a third of a save's client CPU; bodies still carry
     CRC32 and every block its xxh3). ``config_kwargs["s3"]["payload_signing_enabled"]=True`` signs."""
-    config = dict(options.get("config_kwargs") or {})
-    s3_config = dict(config.get("s3") or {})
-    s3_config.setdefault("payload_signing_enabled", False)
-    config["s3"] = s3_config
+    # its sections copied: botocore rewrites ``retries`` in place (the options' token, the caller's dict, changed)
+    config = {k: dict(v) if isinstance(v, Mapping) else v for k, v in (options.get("config_kwargs") or {}).items()}
+    config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
     return {**options, "config_kwargs": config}
 
 
@@ -370,7 +369,7 @@ class FsspecLocation:
     """A checkpoint folder as URL, fsspec filesystem and path. ``reset`` re-points it (keeping the
     ``storage_options``) and calls ``_open`` so the subclass forgets its per-checkpoint state."""
 
-    storage_options: dict[str, Any]
+    storage_options: Mapping[str, Any]
     url: str
     fs: Any
     path: str

@@ -78,3 +78,63 @@ def test_a_save_and_a_resume_build_one_s3_client_each_with_skip_instance_cache(
 
     sent = pickle.loads(pickle.dumps(ckpt.location.storage_options))
     assert type(sent) is dict and sent == options
+
+
+def _counted_clients(monkeypatch: Any) -> list[str]:
+    """The endpoint of each S3FileSystem built from now on."""
+    import s3fs
+
+    built: list[str] = []
+    real = s3fs.S3FileSystem.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        built.append(kwargs.get("client_kwargs", {}).get("endpoint_url"))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "__init__", counted)
+    return built
+
+
+def test_options_changed_after_the_location_was_built_open_a_filesystem_of_their_own(
+    s3_root: tuple[str, dict[str, Any]], monkeypatch: Any
+) -> None:
+    # rev67b F1: the Location copied the caller's options and kept its first filesystem whatever they became:
+    # the endpoint moved, the saves still went to the first one
+    from smpckpt import Checkpointer
+
+    root, options = s3_root
+    first = options["client_kwargs"]["endpoint_url"]
+    moved = first.replace("127.0.0.1", "localhost")  # the same server under another name
+    built = _counted_clients(monkeypatch)
+    ckpt = Checkpointer(Location(root, storage_options=options))
+    ckpt.save("s1", model=_model(1.0))
+    options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": moved}  # the caller's own dict
+    ckpt.save("s2", model=_model(2.0))
+    assert built == [first, moved], built
+    options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": first}
+    model = _model(0.0)
+    ckpt.resume(model=model)
+    assert built == [first, moved], built  # the first options' filesystem again
+    assert all(torch.equal(p, torch.full_like(p, 2.0)) for p in model.parameters())
+
+
+def test_a_location_pickled_or_copied_keeps_one_filesystem_for_its_life(
+    s3_root: tuple[str, dict[str, Any]], monkeypatch: Any
+) -> None:
+    # rev67b F4: unpickled or deep-copied, a Location's options came back a plain dict: a client per open
+    import copy
+    import pickle
+
+    from smpckpt import Checkpointer
+
+    root, options = s3_root
+    sent = (pickle.loads(pickle.dumps(Location(root, storage_options=options))), copy.deepcopy(Location(root, options)))
+    for step, again in enumerate(sent, 1):
+        built = _counted_clients(monkeypatch)
+        assert again == Location(root, storage_options=options)
+        ckpt = Checkpointer(again)
+        ckpt.save(f"s{step}", model=_model(float(step)))
+        model = _model(0.0)
+        ckpt.resume(model=model)
+        assert len(built) == 1, f"{len(built)} S3FileSystem(s) built by one Checkpointer's save and resume"
+        assert all(torch.equal(p, torch.full_like(p, float(step))) for p in model.parameters())

@@ -295,3 +295,52 @@ def test_failed_removals_are_named_in_the_pass_order_whatever_their_latency(
         **{"k0": "uncommitted", "k1": "uncommitted"},
     }
     _assert_resumes(root, direct, "step2", 2)
+
+
+def test_a_retention_pass_reads_newest_only_to_remove_several_side_by_side(moto_endpoint: str) -> None:
+    # rev67b F2: every pass read ``newest`` first (and warned of a damaged one), even one removing nothing;
+    # it is read before each removal, and once more only to run several side by side
+    from smpckpt.catalog.root import apply_retention
+
+    reset_moto(moto_endpoint, BUCKET)
+    opts, root = s3_options(moto_endpoint), f"s3://{BUCKET}/run"
+    for step in range(3):
+        save_checkpoint(root, f"step{step}", model=_model(step), storage_options=opts)
+    seen: list[str] = []
+    with FaultyProxy(moto_endpoint, lambda m, p, q: seen.append(m + " " + p) and None) as proxy:  # type: ignore[arg-type]
+        for keep, doomed, reads in ((None, (), 0), (3, (), 0), (2, ("step0",), 1), (1, ("step1",), 1)):
+            seen.clear()
+            result = apply_retention(root, keep, storage_options=s3_options(proxy.url))
+            assert result.removed == doomed, (keep, result)
+            assert sum(s == f"GET /{BUCKET}/run/newest" for s in seen) == reads, (keep, seen)
+    _assert_resumes(root, opts, "step2", 2)
+
+
+def test_the_stale_sweep_goes_on_past_an_upload_completed_since_it_listed_them(
+    moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rev67b F3: the sweep aborts the uploads it listed before removing the stale folders; one completed
+    # meanwhile (NoSuchUpload) stopped it: the others stayed open (billed) and none was reported
+    import boto3
+
+    from smpckpt.catalog import _debris
+    from smpckpt.catalog.root import apply_retention
+
+    _killed_saves(moto_endpoint, marked=(), count=1)
+    c = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    keys = [f"run/{t}_partial/b9ec_r0_0.1a22c1fea581bc14902.smp.distcp" for t in ("x", "y", "z")]
+    ids = [c.create_multipart_upload(Bucket=BUCKET, Key=k)["UploadId"] for k in keys]
+    real = _debris.sweep_debris
+
+    def completing(*args: Any, **kwargs: Any) -> Any:  # another save's slow upload finishes during the sweep
+        etag = c.upload_part(Bucket=BUCKET, Key=keys[1], UploadId=ids[1], PartNumber=1, Body=b"x")["ETag"]
+        parts = {"Parts": [{"ETag": etag, "PartNumber": 1}]}
+        c.complete_multipart_upload(Bucket=BUCKET, Key=keys[1], UploadId=ids[1], MultipartUpload=parts)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_debris, "sweep_debris", completing)
+    result = apply_retention(
+        f"s3://{BUCKET}/run", None, storage_options=s3_options(moto_endpoint), uncommitted_older_than=0
+    )
+    assert result.aborted_uploads == (f"{BUCKET}/{keys[0]}", f"{BUCKET}/{keys[2]}"), result
+    assert c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []

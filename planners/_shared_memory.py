@@ -28,8 +28,8 @@ def _extent_end(v: torch.Tensor) -> int:
 
 class SharedMemoryLoads:
     """One load's destinations that share memory without being one view (tied keys, the same view, are
-    :class:`TiedLoads`'), read into scratch and checked as the README's "Tied parameters" ends: each read
-    into scratch, copied in state-dict order once all of a group are in, each then holding its own value."""
+    :class:`TiedLoads`'): each read into scratch, copied in state-dict order once all of a group are in, each
+    then holding its own value (the README's "Tied parameters" ends on why)."""
 
     def __init__(self) -> None:
         #: key of a destination in such a group -> that destination (its entry reads into scratch)

@@ -351,18 +351,22 @@ class FileRecord:
         size = int(obj["size"])
         if size < 0:
             raise ValueError(f"file {obj['name']!r} has a negative size")
-        tilings = _unpack(obj["tilings"]) if obj.get("tilings") else ()
-        if len(tilings) % 5:
-            raise ValueError("packed tiling list length is not a multiple of 5 values")
-        return cls(
+        return cls(  # the name first: a crafted one is UnsafeCheckpoint whatever else is malformed (rev67c F1)
             name=check_member_name(obj["name"], where=where),
             size=size,
             rank=int(obj.get("rank", -1)),
             block_ends=_unpack(obj["block_ends"]),
             block_digests=_unpack(obj["block_digests"]),
             checks=obj.get("checks", "blocks"),
-            tilings=tuple(Tiling(*tilings[i : i + 5]) for i in range(0, len(tilings), 5)),
+            tilings=_tilings(obj.get("tilings")),
         )
+
+
+def _tilings(packed: str | None) -> tuple[Tiling, ...]:
+    values = _unpack(packed) if packed else ()
+    if len(values) % 5:
+        raise ValueError("packed tiling list length is not a multiple of 5 values")
+    return tuple(Tiling(*values[i : i + 5]) for i in range(0, len(values), 5))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,7 +105,8 @@ def _collect(
                 shapes.setdefault(fqn, size) != size
                 or dtypes.setdefault(fqn, td.properties.dtype) != td.properties.dtype
             ):
-                raise SpecError(f"{fqn!r}: ranks disagree on its global shape or dtype ({shapes[fqn]} vs {size})")
+                was, now = (shapes[fqn], dtypes[fqn]), (size, td.properties.dtype)
+                raise SpecError(f"{fqn!r}: ranks disagree on its global shape or dtype ({was} vs {now}, rank {rank})")
             chunks.setdefault(fqn, []).append((tuple(td.chunk.offsets), tuple(td.chunk.sizes)))
     for fqn, shape in shapes.items():
         boxes = chunks[fqn]

@@ -257,3 +257,20 @@ def test_paste_puts_a_box_where_it_belongs_in_a_box_holding_it(data: st.DataObje
     raw = dst.reshape(-1).view(torch.uint8).numpy()  # dst's own memory
     paste(raw, hold_lo, hold_sz, src, w)
     assert torch.equal(dst, expect)
+
+
+def test_ranks_disagreeing_on_a_tensors_dtype_alone_are_named_with_both_dtypes() -> None:
+    # rev67c L2: the message printed the two equal shapes only ("(2,) vs (2,)")
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from smpckpt.errors import SpecError
+    from smpckpt.storage.full._plan import _collect
+
+    def item(offset: int, dtype: torch.dtype) -> WriteItem:
+        chunk = ChunkStorageMetadata(torch.Size([offset]), torch.Size([1]))
+        data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=dtype), size=torch.Size([2]))
+        return WriteItem(index=MetadataIndex("z", torch.Size([offset])), type=WriteItemType.SHARD, tensor_data=data)
+
+    with pytest.raises(SpecError, match=r"'z'.*torch\.float32\).*torch\.bfloat16\), rank 1\)"):
+        _collect([SavePlan([item(0, torch.float32)]), SavePlan([item(1, torch.bfloat16)])])

@@ -16,7 +16,7 @@ from torch import nn
 
 from smpckpt import last_resume_info, resume_from_checkpoint, save_checkpoint
 from smpckpt.catalog.root import scan_root
-from smpckpt.errors import CheckpointCorrupt
+from smpckpt.errors import CheckpointCorrupt, UnsafeCheckpoint
 from smpckpt.storage.format.manifest import _DIGEST_KEY, Manifest, _pack, _self_digest
 
 MANIFEST = "smpckpt.manifest.json"
@@ -97,3 +97,13 @@ def test_a_tiling_of_tiny_rows_is_refused_before_any_checksum(tmp_path: Path) ->
     assert not report.ok and len(report.problems) == 1, report.problems
     assert f"manifest entry {rec['name']}: tiling" in report.problems[0], report.problems
     assert "row segments of 1 bytes" in report.problems[0], report.problems
+
+
+def test_an_unsafe_file_name_is_unsafe_whatever_else_its_entry_gets_wrong(tmp_path: Path) -> None:
+    # rev67c F1: inlining the tiling unpack ahead of the name check made '../evil' + a malformed tiling corrupt
+    base = _good(tmp_path, "g")
+    for bad in ({"tilings": _pack([7])}, {"rank": "x"}, {"tilings": _pack([7]), "block_ends": "%%%"}):
+        crafted = json.loads(json.dumps(base))
+        crafted["files"][0].update(name="../evil.distcp", **bad)
+        with pytest.raises(UnsafeCheckpoint, match=r"'\.\./evil\.distcp' is not a plain name"):
+            Manifest.from_bytes(_reseal(crafted), where="m")

@@ -400,16 +400,16 @@ def apply_state(
                 drop_optimizer_state(req.model, req.optimizers, unsaved)
             else:
                 set_model_state_dict(req.model, model_sd, options=opts)
-        except TypeError as exc:  # torch's helpers call load_state_dict(state_dict=..., strict=..., assign=...)
+        except Exception as exc:  # torch's helpers call load_state_dict(state_dict=..., strict=..., assign=...)
             owner, found, _ = str(exc).partition(".load_state_dict() got an unexpected keyword argument")
-            if not found:
-                raise
+            if not found or not isinstance(exc, TypeError):  # the apply began: the model may hold some keys
+                raise loaded_in_place(exc, True)
             err = TypeError(  # the class torch called: the model's, or an optimizer's
                 f"{owner.rsplit('.', 1)[-1]}.load_state_dict does not take torch's keywords ({exc}): give the "
                 "override torch's signature (a module's: load_state_dict(self, state_dict, strict=True, "
                 "assign=False); an optimizer's: load_state_dict(self, state_dict))"
             )
-            raise loaded_in_place(err, True) from exc
+            raise err from exc  # refused at binding: it wrote nothing (a load in place says so, InventedState)
     restored: tuple[str, ...] = ()
     if restore_rng:
         skipped = set(report.skipped_optional if report else ())

@@ -403,7 +403,8 @@ def apply_state(
         except Exception as exc:  # torch's helpers call load_state_dict(state_dict=..., strict=..., assign=...)
             owner, found, _ = str(exc).partition(".load_state_dict() got an unexpected keyword argument")
             if not found or not isinstance(exc, TypeError):  # the apply began: the model may hold some keys
-                raise loaded_in_place(exc, True)
+                loaded_in_place(exc, True)
+                raise
             err = TypeError(  # the class torch called: the model's, or an optimizer's
                 f"{owner.rsplit('.', 1)[-1]}.load_state_dict does not take torch's keywords ({exc}): give the "
                 "override torch's signature (a module's: load_state_dict(self, state_dict, strict=True, "

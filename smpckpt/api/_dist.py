@@ -395,18 +395,6 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
                         f"{p.dtype}) is not a parameter of the model: build the optimizer over "
                         "model.parameters() of the model you pass"
                     )
-                odd = [
-                    (k, v)
-                    for k, v in opt.state.get(p, {}).items()
-                    if not isinstance(v, (torch.Tensor, int, float, dict))
-                ]
-                if odd:  # DCP's get_state_dict refuses them naming neither optimizer nor key (LBFGS's lists)
-                    name = next(n for n, q in model.named_parameters() if q is p)
-                    raise TypeError(
-                        f"optimizer {i} ({type(opt).__name__}) holds a {type(odd[0][1]).__name__} under state key "
-                        f"{odd[0][0]!r} of parameter {name!r}: torch.distributed.checkpoint keeps only tensor, int, float "
-                        "and dict optimizer state; leave it out of optimizer= and put its state_dict() in user_content"
-                    )
                 k, h = held.setdefault(id(p), (i, g))  # one optimizer passed twice, a tie listed twice in one: one
                 if opts[k] is not opt or h != g:  # DCP keys state and groups by name: theirs would overwrite
                     name, two = next(n for n, q in model.named_parameters() if q is p), f"optimizers {k} and {i}"

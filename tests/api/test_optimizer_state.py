@@ -661,6 +661,56 @@ def test_an_optimizer_holding_list_state_is_refused_by_index_and_key(tmp_path: A
     assert all(
         torch.equal(a, b) for a, b in zip(again.state[m[1].weight]["old_dirs"], lbfgs.state[m[1].weight]["old_dirs"])
     )
+    # rev67a F3: only what DCP flattens counts: a full export without optimizer state (the default) writes none
+    save_checkpoint(str(tmp_path), "full", partial=False, model=m, optimizer=lbfgs)
+
+
+class _Packed(torch.optim.SGD):
+    """Keeps a list in its live state; its state_dict() (what DCP flattens) packs it into a tensor, or with
+    ``nested`` keeps it inside a dict."""
+
+    def __init__(self, params: Any, nested: bool = False) -> None:
+        super().__init__(params, lr=0.1)
+        self.nested = nested
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
+            self.state[p]["norms"] = [float(p.grad.norm()), float(p.grad.abs().max())]
+        return super().step()
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        pack = (lambda v: {"hist": v}) if self.nested else torch.tensor
+        sd["state"] = {i: {k: pack(v) if k == "norms" else v for k, v in s.items()} for i, s in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for s in self.state.values():
+            s["norms"] = s["norms"].tolist()
+
+
+def test_list_state_counts_as_the_optimizers_state_dict_holds_it(tmp_path: Any) -> None:
+    """rev67a F3: the refusal read opt.state: a list its state_dict() packs into a tensor (saved fine before)
+    was refused, one nested in a dict was not (DCP's bare NotImplementedError)."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    o, nested = _Packed(m.parameters()), _Packed(m.parameters(), nested=True)
+    m(torch.randn(2, 3)).sum().backward()
+    o.step(), nested.step()
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    torch.manual_seed(1)
+    m2 = nn.Linear(3, 2)
+    o2 = _Packed(m2.parameters())
+    m2(torch.randn(2, 3)).sum().backward()
+    o2.step()
+    resume_from_checkpoint(str(tmp_path), "a", model=m2, optimizer=o2)
+    assert _equal(m, m2) and o2.state[m2.weight]["norms"] == o.state[m.weight]["norms"]
+    with pytest.raises(
+        TypeError, match=r"optimizer 0 \(_Packed\) holds a list under state key 'norms.hist' of parameter 'weight'"
+    ):
+        save_checkpoint(str(tmp_path), "b", model=m, optimizer=nested)
 
 
 def test_a_parameter_left_out_of_the_optimizer_with_saved_state_is_refused_saying_why(tmp_path: Any) -> None:

@@ -276,7 +276,11 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                 ) from exc
         groups = []
         for g in opt.param_groups:
-            todo = [p for p in g["params"] if p not in opt.state and not (fresh and p.requires_grad)]
+            todo = [  # an integer one (a quantised weight) would fail the step: it has state only as _put_back gives it
+                p
+                for p in g["params"]
+                if p not in opt.state and not (fresh and p.requires_grad) and (p.is_floating_point() or p.is_complex())
+            ]
             if todo:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": todo})
         if not groups:

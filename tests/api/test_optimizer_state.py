@@ -119,6 +119,35 @@ def test_a_frozen_complex_parameter_keeps_its_optimizer_state(tmp_path: Any) -> 
     assert all(torch.equal(o2.state[m2.c][k], v) for k, v in o.state[m.c].items())
 
 
+def test_a_frozen_integer_parameter_leaves_a_frozen_float_ones_saved_state_to_a_fresh_optimizer(tmp_path: Any) -> None:
+    """rev67a F4: the scratch step giving frozen parameters fresh state took the int8 one too (Adam's step fails
+    on it), so the frozen float parameter's saved state was refused, "loaded by no rank"."""
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.f = nn.Linear(4, 4), nn.Parameter(torch.randn(4))
+            self.q = nn.Parameter(torch.randint(-5, 5, (4,), dtype=torch.int8), requires_grad=False)
+
+    torch.manual_seed(0)
+    m = Mixed()
+    o = torch.optim.Adam(m.parameters(), lr=0.1)
+    (m.lin(torch.randn(2, 4)) * m.f).sum().backward()
+    o.step()
+    m.f.requires_grad_(False)
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    torch.manual_seed(1)
+    m2 = Mixed()
+    m2.f.requires_grad_(False)
+    o2 = torch.optim.Adam(m2.parameters(), lr=0.1)
+    resume_from_checkpoint(str(tmp_path), "a", model=m2, optimizer=o2)
+    assert _equal(m, m2) and m2.q not in o2.state and m.q not in o.state
+    for p, p2 in ((m.f, m2.f), (m.lin.weight, m2.lin.weight)):
+        assert set(o2.state[p2]) == set(o.state[p]) and all(
+            torch.equal(o2.state[p2][k], v) for k, v in o.state[p].items()
+        )
+
+
 def test_a_rollback_to_a_checkpoint_saved_without_optimizer_leaves_the_optimizer_fresh(tmp_path: Any) -> None:
     """The README: under strict=False every parameter of a checkpoint saved without optimizer resumes without
     state, live state or not. An in-process roll-back to one kept the live Adam state of step 3 beside the

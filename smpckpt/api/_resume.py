@@ -431,19 +431,21 @@ def _put_back(model: Any, held: list[tuple[Any, torch.Tensor]], sd: Mapping[str,
     """(after ``set_state_dict``) The loaded optimizer state of integer parameters (quantised weights), which
     DCP skips as frozen and torch cannot make trainable for the load: set from the state dict (``held``:
     (optimizer, parameter) pairs holding state before the load; nested keys as nested dicts)."""
-    for opt, param in held:
-        named = model.named_parameters(remove_duplicate=False)
-        fqns = {f for name, p in named if p is param for f in _get_fqns(model, name)}
-        entry: dict[str, Any] = {}
-        for key, value in sd.items():
-            if key.startswith("state.") and (owner := RESERVED.state_owner(key[6:], fqns)) is not None:
+    if not held:
+        return
+    # one walk over the model and one over the state dict, whatever the number of parameters held (rev67a F7)
+    owners = {f: p for name, p in model.named_parameters(remove_duplicate=False) for f in _get_fqns(model, name)}
+    entries: dict[int, dict[str, Any]] = {id(p): {} for _, p in held}
+    for key, value in sd.items():  # the longest FQN in front owns a key (layer.1 beside layer.1.x)
+        if key.startswith("state.") and (owner := RESERVED.state_owner(key[6:], owners.keys())) is not None:
+            if (at := entries.get(id(owners[owner]))) is not None:
                 *path, last = key[7 + len(owner) :].split(".")
-                at = entry
                 for part in path:
                     at = at.setdefault(part, {})
                 at[last] = value
-        if entry:
-            opt.state[param] = entry
+    for opt, param in held:
+        if entries[id(param)]:
+            opt.state[param] = entries[id(param)]
 
 
 def drop_optimizer_state(model: Any, optimizers: Sequence[Any], unsaved: frozenset[str]) -> None:

@@ -89,6 +89,40 @@ def test_a_frozen_integer_parameters_saved_optimizer_state_is_restored(tmp_path:
         assert torch.equal(model.q, m.q) and not model.q.requires_grad
 
 
+def test_putting_integer_parameters_state_back_walks_the_model_once(tmp_path: Any) -> None:
+    """rev67a F7: the state of each integer parameter was put back after a walk over the model's parameters and
+    the whole state dict of its own: quadratic (1000 of them: 14-18 s a resume, 2.4-3.1 s before)."""
+
+    class Counted(nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.walks = 0
+            for i in range(n):
+                self.register_parameter(f"f{i}", nn.Parameter(torch.randn(4)))
+                self.register_parameter(
+                    f"q{i}", nn.Parameter(torch.full((4,), i, dtype=torch.int8), requires_grad=False)
+                )
+
+        def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+            self.walks += 1
+            return super().named_parameters(*args, **kwargs)
+
+    walks = []
+    for n in (2, 40):
+        m = Counted(n)
+        o = torch.optim.Adagrad(m.parameters(), lr=0.1)
+        o.state[m.q1]["sum"].fill_(7)
+        save_checkpoint(str(tmp_path), f"n{n}", model=m, optimizer=o)
+        o.state[m.q1]["sum"].fill_(0)
+        m.walks = 0
+        resume_from_checkpoint(str(tmp_path), f"n{n}", model=m, optimizer=o)
+        walks.append(m.walks)
+        assert torch.equal(o.state[m.q1]["sum"], torch.full((4,), 7.0)) and torch.equal(
+            m.q1, torch.full((4,), 1, dtype=torch.int8)
+        )
+    assert walks[0] == walks[1], walks
+
+
 def test_a_frozen_complex_parameter_keeps_its_optimizer_state(tmp_path: Any) -> None:
     """rev66f F2: the int8 fix (only floating-point parameters made trainable for the load) left a frozen
     complex parameter, which can be trained, without its saved Adam state, silently."""

@@ -29,6 +29,7 @@ from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError
 __all__ = ["ParallelLayout", "RankCoords", "AXES", "KeyMapper", "NameMap", "ReservedKeys", "RESERVED"]
 __all__ += ["OPTIM_STATE_PREFIX", "FULL_ARTIFACTS", "API_RECORD", "API_RECORD_V1", "FULL_API_RECORD", "LayoutRecord"]
 __all__ += ["METADATA_KEY", "MANIFEST_KEY", "RECORD_VERSION", "TIED_KEY", "checkpoint_ties", "MERGED_KEY"]
+__all__ += ["under_module", "wrapped"]
 __all__ += ["checkpoint_original_shapes"]
 
 
@@ -247,6 +248,31 @@ def under_module(wanted: Iterable[str], saved: Mapping[str, Any], name_map: Name
 _LAYER = re.compile(r"(?:(?<=^)|(?<=\.))layers\.(\d+)(?=\.|$)")
 #: path segments of module wrappers, which state dicts leave out (activation checkpointing, FSDP1, compile)
 _WRAPPERS = re.compile(r"(?:^|\.)(?:_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)(?=\.|$)")
+
+
+#: wrappers by class name, and the attribute holding the module each wraps (the state dict keys it adds: _WRAPPERS)
+_WRAPPED_BY: Mapping[str, str] = MappingProxyType(
+    {
+        "OptimizedModule": "_orig_mod",
+        **dict.fromkeys(("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"), "module"),
+        **dict.fromkeys(("CheckpointWrapper", "OffloadWrapper"), "_checkpoint_wrapped_module"),
+    }
+)
+
+
+def wrapped(model: Any) -> list[Any]:
+    """``model``, then each module under its torch.compile, DDP, FSDP, DataParallel and checkpoint_wrapper
+    wrappers (a model wrapped after its resume meets the Checkpointer that resume kept, ``calls``)."""
+    from torch import nn
+
+    chain = [model]
+    for _ in range(4):  # bounded: wrappers nest a few deep at most
+        attr = _WRAPPED_BY.get(type(chain[-1]).__name__)  # by name; a user's own class so named may hold no module
+        inner = getattr(chain[-1], attr, None) if attr and isinstance(chain[-1], nn.Module) else None
+        if not isinstance(inner, nn.Module):
+            break
+        chain.append(inner)
+    return chain
 
 
 class KeyMapper:

@@ -803,13 +803,21 @@ def test_a_dataparallel_model_saves_and_resumes_unwrapped_either_way(tmp_path: A
         m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
         return m, torch.optim.Adam(m.parameters())
 
-    for i, (save_dp, resume_dp) in enumerate(((True, False), (False, True))):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    # rev67a F5: under torch.compile's or checkpoint_wrapper's wrapper too (it was saved under module.)
+    ways = (
+        nn.DataParallel,
+        lambda m: checkpoint_wrapper(nn.DataParallel(m)),
+        lambda m: torch.compile(nn.DataParallel(m)),
+    )
+    for i, (save_as, resume_as) in enumerate([*((w, lambda m: m) for w in ways), (lambda m: m, ways[2])]):
         m, o = build(0)
-        (nn.DataParallel(m) if save_dp else m)(torch.randn(2, 8)).sum().backward()
+        m(torch.randn(2, 8)).sum().backward()
         o.step()
-        save_checkpoint(str(tmp_path), f"s{i}", model=nn.DataParallel(m) if save_dp else m, optimizer=o)
+        save_checkpoint(str(tmp_path), f"s{i}", model=save_as(m), optimizer=o)
         m2, o2 = build(1)
-        resume_from_checkpoint(str(tmp_path), f"s{i}", model=nn.DataParallel(m2) if resume_dp else m2, optimizer=o2)
+        resume_from_checkpoint(str(tmp_path), f"s{i}", model=resume_as(m2), optimizer=o2)
         assert _equal(m, m2)
         _assert_optim_equal(m, o, m2, o2)
 

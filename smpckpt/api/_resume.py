@@ -272,7 +272,7 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                 raise RuntimeError(
                     f"optimizer {i} ({type(opt).__name__}) cannot be resumed fresh: the step at lr 0 with zero "
                     f"gradients that gives it the state to load into failed ({type(exc).__name__}: {exc}); its lr and "
-                    "gradients are as they were. Step it once before the resume (the resume replaces what it changed)"
+                    "gradients are as they were. Leave it out of optimizer= and put its state_dict() in user_content"
                 ) from exc
         groups = []
         for g in opt.param_groups:

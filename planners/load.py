@@ -47,6 +47,7 @@ from smpckpt.model.layout import (
     ParallelLayout,
     checkpoint_original_shapes,
     checkpoint_ties,
+    under_module,
 )
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import compact
@@ -156,6 +157,10 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if metadata is None:
             raise CheckpointCorrupt("the storage reader returned no checkpoint metadata")
         self.entries, _ = self._resolve(state_dict)
+        dp = under_module(self.entries, metadata.state_dict_metadata, self.name_map)
+        if dp is not None:  # an earlier smpckpt's nn.DataParallel checkpoint: read under module.
+            self.name_map = dp
+            self.entries, _ = self._resolve(state_dict)
         for entry in self.entries.values():
             if entry.kind != "object" and entry.value.device.type == "meta":
                 raise SpecError(f"{entry.key}: destination is on the meta device; allocate it before loading")
@@ -578,10 +583,6 @@ def _nesting_mismatches(missing: Sequence[str], saved: Mapping[str, Any]) -> str
         elif whole is not None:
             what = "an object" if isinstance(saved[whole], BytesStorageMetadata) else "a tensor"
             notes.append(f"{key}: the checkpoint holds {whole!r} whole ({what}), not a container of keys under it")
-    if any(k.startswith(m := f"{RESERVED.model}.") and f"{m}module.{k[len(m) :]}" in saved for k in missing):
-        notes.append(
-            "the checkpoint holds the model under module. (an nn.DataParallel model saved by an earlier smpckpt, which kept that prefix): resume with Sharding(name_map=lambda k: re.sub(r'^(model|optim\\.state|optim\\.param_groups)\\.', r'\\1.module.', k))"
-        )
     return "; " + "; ".join(notes[:_SHOW]) if notes else ""
 
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import smpckpt.errors as _errors
 from smpckpt._checks import check_process_group
 from smpckpt.errors import LOADED_IN_PLACE, CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
-from smpckpt.model.layout import RESERVED, NameMap, ParallelLayout
+from smpckpt.model.layout import RESERVED, NameMap, ParallelLayout, wrapped
 from smpckpt.model.specs import SpecLike, SpecRules
 
 __all__ = ["DistContext", "RankError", "digest", "OPTIONS", "CommonRequest", "check_state", "train_state"]
@@ -356,8 +356,10 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
         )
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    # nn.DataParallel's state_dict keys lie under module. (DCP strips DDP's only): saved as its module, as DDP's are
-    model = model.module if isinstance(model, nn.DataParallel) else model
+    # nn.DataParallel's state_dict keys lie under module. (DCP strips DDP's only): saved as its module, as DDP's
+    # are, under torch.compile's or checkpoint_wrapper's wrapper too (whose prefixes DCP strips)
+    chain = wrapped(model)
+    model = next((chain[i + 1] for i, m in enumerate(chain[:-1]) if isinstance(m, nn.DataParallel)), model)
     if model is None and opts:
         raise ValueError("optimizer state is keyed by the model's parameter names: pass model= with optimizer=")
     busy, running = _fsdp_busy(model) if model is not None else ([], False)
@@ -393,15 +395,6 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
                         f"optimizer {i}, param_groups[{g}]['params'][{j}] (shape {list(p.shape)}, "
                         f"{p.dtype}) is not a parameter of the model: build the optimizer over "
                         "model.parameters() of the model you pass"
-                    )
-                kept = opt.state.get(p, {}).items()
-                odd = [(k, v) for k, v in kept if not isinstance(v, (torch.Tensor, int, float, dict))]
-                if odd:  # DCP's get_state_dict refuses them naming neither optimizer nor key (LBFGS's lists)
-                    name = next(n for n, q in model.named_parameters() if q is p)
-                    raise TypeError(
-                        f"optimizer {i} ({type(opt).__name__}) holds a {type(odd[0][1]).__name__} under state key "
-                        f"{odd[0][0]!r} of parameter {name!r}: torch.distributed.checkpoint keeps only tensor, int, float "
-                        "and dict optimizer state; leave it out of optimizer= and put its state_dict() in user_content"
                     )
                 k, h = held.setdefault(id(p), (i, g))  # one optimizer passed twice, a tie listed twice in one: one
                 if opts[k] is not opt or h != g:  # DCP keys state and groups by name: theirs would overwrite

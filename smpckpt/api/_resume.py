@@ -272,11 +272,15 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                 raise RuntimeError(
                     f"optimizer {i} ({type(opt).__name__}) cannot be resumed fresh: the step at lr 0 with zero "
                     f"gradients that gives it the state to load into failed ({type(exc).__name__}: {exc}); its lr and "
-                    "gradients are as they were. Step it once before the resume (the resume replaces what it changed)"
+                    "gradients are as they were. Leave it out of optimizer= and put its state_dict() in user_content"
                 ) from exc
         groups = []
         for g in opt.param_groups:
-            todo = [p for p in g["params"] if p not in opt.state and not (fresh and p.requires_grad)]
+            todo = [  # an integer one (a quantised weight) would fail the step: it has state only as _put_back gives it
+                p
+                for p in g["params"]
+                if p not in opt.state and not (fresh and p.requires_grad) and (p.is_floating_point() or p.is_complex())
+            ]
             if todo:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": todo})
         if not groups:
@@ -400,16 +404,17 @@ def apply_state(
                 drop_optimizer_state(req.model, req.optimizers, unsaved)
             else:
                 set_model_state_dict(req.model, model_sd, options=opts)
-        except TypeError as exc:  # torch's helpers call load_state_dict(state_dict=..., strict=..., assign=...)
+        except Exception as exc:  # torch's helpers call load_state_dict(state_dict=..., strict=..., assign=...)
             owner, found, _ = str(exc).partition(".load_state_dict() got an unexpected keyword argument")
-            if not found:
+            if not found or not isinstance(exc, TypeError):  # the apply began: the model may hold some keys
+                loaded_in_place(exc, True)
                 raise
             err = TypeError(  # the class torch called: the model's, or an optimizer's
                 f"{owner.rsplit('.', 1)[-1]}.load_state_dict does not take torch's keywords ({exc}): give the "
                 "override torch's signature (a module's: load_state_dict(self, state_dict, strict=True, "
                 "assign=False); an optimizer's: load_state_dict(self, state_dict))"
             )
-            raise loaded_in_place(err, True) from exc
+            raise err from exc  # refused at binding: it wrote nothing (a load in place says so, InventedState)
     restored: tuple[str, ...] = ()
     if restore_rng:
         skipped = set(report.skipped_optional if report else ())
@@ -426,19 +431,21 @@ def _put_back(model: Any, held: list[tuple[Any, torch.Tensor]], sd: Mapping[str,
     """(after ``set_state_dict``) The loaded optimizer state of integer parameters (quantised weights), which
     DCP skips as frozen and torch cannot make trainable for the load: set from the state dict (``held``:
     (optimizer, parameter) pairs holding state before the load; nested keys as nested dicts)."""
-    for opt, param in held:
-        named = model.named_parameters(remove_duplicate=False)
-        fqns = {f for name, p in named if p is param for f in _get_fqns(model, name)}
-        entry: dict[str, Any] = {}
-        for key, value in sd.items():
-            if key.startswith("state.") and (owner := RESERVED.state_owner(key[6:], fqns)) is not None:
+    if not held:
+        return
+    # one walk over the model and one over the state dict, whatever the number of parameters held (rev67a F7)
+    owners = {f: p for name, p in model.named_parameters(remove_duplicate=False) for f in _get_fqns(model, name)}
+    entries: dict[int, dict[str, Any]] = {id(p): {} for _, p in held}
+    for key, value in sd.items():  # the longest FQN in front owns a key (layer.1 beside layer.1.x)
+        if key.startswith("state.") and (owner := RESERVED.state_owner(key[6:], owners.keys())) is not None:
+            if (at := entries.get(id(owners[owner]))) is not None:
                 *path, last = key[7 + len(owner) :].split(".")
-                at = entry
                 for part in path:
                     at = at.setdefault(part, {})
                 at[last] = value
-        if entry:
-            opt.state[param] = entry
+    for opt, param in held:
+        if entries[id(param)]:
+            opt.state[param] = entries[id(param)]
 
 
 def drop_optimizer_state(model: Any, optimizers: Sequence[Any], unsaved: frozenset[str]) -> None:

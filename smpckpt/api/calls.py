@@ -34,7 +34,7 @@ from smpckpt.api.options import (
     Sharding,
 )
 from smpckpt.errors import CheckpointError
-from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.layout import ParallelLayout, wrapped
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import location_key
@@ -69,13 +69,6 @@ _SAVE_OPTIONS = (Sharding, FastTier, Retention, AsyncOptions, SaveOptions, Expor
 _RESUME_OPTIONS = (Sharding, FastTier, AsyncOptions, ResumeOptions)
 #: the attribute of a model that keeps its Checkpointer; wrappers whose inner module (the attribute named) keeps it
 _KEPT = "_smpckpt_checkpointer"
-_WRAPPERS: Mapping[str, str] = types.MappingProxyType(
-    {
-        "OptimizedModule": "_orig_mod",
-        **dict.fromkeys(("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"), "module"),
-        **dict.fromkeys(("CheckpointWrapper", "OffloadWrapper"), "_checkpoint_wrapped_module"),
-    }
-)
 
 
 class _Kept:
@@ -282,7 +275,7 @@ def _checkpointer(
     model: Any, location: Location, where: tuple[Any, ...], built: dict[type, Any], save: bool
 ) -> Checkpointer:
     """The model's kept Checkpointer when it fits ``built``, else a fresh one, kept on the model."""
-    sharding, fast_tier, model = built[Sharding] or Sharding(), built[FastTier], _inner(model)
+    sharding, fast_tier, model = built[Sharding] or Sharding(), built[FastTier], wrapped(model)[-1]
     retention, async_options = built[Retention] or Retention(), built[AsyncOptions] or AsyncOptions()
     kept = model.__dict__.get(_KEPT) if isinstance(model, nn.Module) else None
     held, held_key = (kept.checkpointer, kept.key) if isinstance(kept, _Kept) else (None, ())
@@ -310,18 +303,6 @@ def _checkpointer(
     elif save and ckpt.retention != retention:
         ckpt._retain(retention)
     return ckpt
-
-
-def _inner(model: Any) -> Any:
-    """The module under torch.compile's, DDP's, FSDP's, DataParallel's and checkpoint_wrapper's wrappers: a
-    model wrapped after its resume meets the Checkpointer (and the roll-back) that resume kept."""
-    for _ in range(4):  # bounded: wrappers nest a few deep at most
-        attr = _WRAPPERS.get(type(model).__name__)  # by name; a user's own class so named may hold no module
-        inner = getattr(model, attr, None) if attr and isinstance(model, nn.Module) else None
-        if not isinstance(inner, nn.Module):
-            break
-        model = inner
-    return model
 
 
 def _option_objects(options: Any, allowed: tuple[type, ...], call: type, partial: bool) -> dict[type, Any]:

@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from smpckpt._checks import refuse_unflattenable
 from smpckpt._gc import gc_frozen
 from smpckpt.api._async import DrainStatus, GlooGroups, Lane, check_previous, live_lanes, register_exit_wait, wait_lanes
 from smpckpt.api._dist import CommonRequest, DistContext, check_state, peer_failures
@@ -315,6 +316,8 @@ class Checkpointer:
                     f"the process group has {ctx.world_size} ranks; this Checkpointer was built for {self._world}"
                 )
             checked_model, optimizers = check_state(model, optimizer)
+            if getattr(opts, "include_optimizer", True):  # all but an export without it flatten optimizer state
+                refuse_unflattenable(checked_model, optimizers)
             if checked_model is not None:
                 mapper = KeyMapper(self.layout, self.layout.coords(ctx.rank).pp, self.sharding.name_map)
                 states = [n for n, _ in checked_model.named_parameters(remove_duplicate=False)]

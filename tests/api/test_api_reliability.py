@@ -428,6 +428,39 @@ def test_a_translated_resume_without_optimizer_failing_in_its_read_leaves_the_mo
     assert str(plain.value).endswith(LOADED_IN_PLACE), plain.value
 
 
+def test_a_translated_resume_without_optimizer_says_loaded_exactly_when_its_apply_wrote_the_model(
+    tmp_path: Any,
+) -> None:
+    """rev67a F1/F6: with a translate_function and no optimizer the read lands aside, but the apply writes the
+    model: one failing part-way (a size mismatch after the first layer) left no note; one whose
+    load_state_dict override refuses torch's keywords wrote nothing, yet claimed the model held the values."""
+    root = str(tmp_path)
+    m, _ = _model(0)
+    save_checkpoint(root, "a", model=m)
+    fresh, _ = _model(9)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+
+    def transposed(sd: dict[str, Any]) -> dict[str, Any]:  # a translate bug: the last weight transposed
+        return {**sd, "2.weight": sd["2.weight"].t()}
+
+    with pytest.raises(RuntimeError, match="2.weight") as failed:
+        resume_from_checkpoint(root, tag="a", model=fresh, options=ResumeOptions(translate_function=transposed))
+    assert str(failed.value).endswith(LOADED_IN_PLACE), failed.value
+    assert torch.equal(fresh[0].weight, m[0].weight) and not torch.equal(fresh[0].weight, before["0.weight"])
+
+    class OldStyle(nn.Linear):
+        def load_state_dict(self, state_dict: Any) -> Any:  # type: ignore[override]  # an old-style override
+            return super().load_state_dict(state_dict)
+
+    torch.manual_seed(0)
+    save_checkpoint(root, "b", model=OldStyle(3, 3))
+    old = OldStyle(3, 3)
+    kept = old.weight.clone()
+    with pytest.raises(TypeError, match="OldStyle.load_state_dict") as refused:
+        resume_from_checkpoint(root, tag="b", model=old, options=ResumeOptions(translate_function=lambda sd: sd))
+    assert LOADED_IN_PLACE not in str(refused.value) and torch.equal(old.weight, kept), refused.value
+
+
 def test_verify_addresses_the_folder_of_a_tag(tmp_path: Any) -> None:
     root = str(tmp_path)
     _steps(root, 0)

@@ -194,7 +194,8 @@ def _fail_together(
     except TypeError:
         return  # not a process group: every rank fails alike, before any collective
     if ctx.active and ctx.world_size > 1:
-        kept = _inner(model).__dict__.get(_KEPT) if saves and isinstance(_inner(model), nn.Module) else None
+        inner = wrapped(model)[-1]
+        kept = inner.__dict__.get(_KEPT) if saves and isinstance(inner, nn.Module) else None
         if isinstance(kept, _Kept) and kept.checkpointer is not None:  # the others use it (a new one: no join)
             try:
                 kept.checkpointer._groups.join(ctx, kept.checkpointer.sharding.join_timeout, what)

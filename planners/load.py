@@ -47,7 +47,6 @@ from smpckpt.model.layout import (
     ParallelLayout,
     checkpoint_original_shapes,
     checkpoint_ties,
-    under_module,
 )
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import compact
@@ -157,10 +156,6 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if metadata is None:
             raise CheckpointCorrupt("the storage reader returned no checkpoint metadata")
         self.entries, _ = self._resolve(state_dict)
-        dp = under_module(self.entries, metadata.state_dict_metadata, self.name_map)
-        if dp is not None:  # an earlier smpckpt's nn.DataParallel checkpoint: read under module.
-            self.name_map = dp
-            self.entries, _ = self._resolve(state_dict)
         for entry in self.entries.values():
             if entry.kind != "object" and entry.value.device.type == "meta":
                 raise SpecError(f"{entry.key}: destination is on the meta device; allocate it before loading")
@@ -583,6 +578,15 @@ def _nesting_mismatches(missing: Sequence[str], saved: Mapping[str, Any]) -> str
         elif whole is not None:
             what = "an object" if isinstance(saved[whole], BytesStorageMetadata) else "a tensor"
             notes.append(f"{key}: the checkpoint holds {whole!r} whole ({what}), not a container of keys under it")
+    m = f"{RESERVED.model}."
+    moved = [k for k in missing if k.startswith(m) and f"{m}module.{k[len(m) :]}" in saved]
+    moved += [k for k in missing if k.startswith(f"{m}module.") and f"{m}{k[len(m) + 7 :]}" in saved]
+    if moved:  # torch's nn.DataParallel keeps its module under module. (DCP strips DDP's prefix, not its)
+        notes.append(
+            f"{moved[0]}: the checkpoint holds it with module. added or removed (a model saved wrapped in "
+            "nn.DataParallel, resumed unwrapped, or the reverse): resume it wrapped as saved, or map the keys with "
+            "Sharding(name_map=...)"
+        )
     return "; " + "; ".join(notes[:_SHOW]) if notes else ""
 
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import smpckpt.errors as _errors
 from smpckpt._checks import check_process_group
 from smpckpt.errors import LOADED_IN_PLACE, CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
-from smpckpt.model.layout import RESERVED, NameMap, ParallelLayout, wrapped
+from smpckpt.model.layout import RESERVED, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
 
 __all__ = ["DistContext", "RankError", "digest", "OPTIONS", "CommonRequest", "check_state", "train_state"]
@@ -356,10 +356,6 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
         )
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    # nn.DataParallel's state_dict keys lie under module. (DCP strips DDP's only): saved as its module, as DDP's
-    # are, under torch.compile's or checkpoint_wrapper's wrapper too (whose prefixes DCP strips)
-    chain = wrapped(model)
-    model = next((chain[i + 1] for i, m in enumerate(chain[:-1]) if isinstance(m, nn.DataParallel)), model)
     if model is None and opts:
         raise ValueError("optimizer state is keyed by the model's parameter names: pass model= with optimizer=")
     busy, running = _fsdp_busy(model) if model is not None else ([], False)

@@ -24,12 +24,12 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from smpckpt._formats import API_RECORD, API_RECORD_V1, FULL_API_RECORD, RECORD_VERSION  # noqa: F401 - named here too (their old home)
-from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError
+from smpckpt.errors import CheckpointCorrupt, SpecError
 
 __all__ = ["ParallelLayout", "RankCoords", "AXES", "KeyMapper", "NameMap", "ReservedKeys", "RESERVED"]
 __all__ += ["OPTIM_STATE_PREFIX", "FULL_ARTIFACTS", "API_RECORD", "API_RECORD_V1", "FULL_API_RECORD", "LayoutRecord"]
 __all__ += ["METADATA_KEY", "MANIFEST_KEY", "RECORD_VERSION", "TIED_KEY", "checkpoint_ties", "MERGED_KEY"]
-__all__ += ["under_module", "wrapped"]
+__all__ += ["wrapped"]
 __all__ += ["checkpoint_original_shapes"]
 
 
@@ -221,30 +221,6 @@ FULL_ARTIFACTS = MappingProxyType({f"{RESERVED.model}.": "model", OPTIM_STATE_PR
 
 
 NameMap = Callable[[str], str]
-#: the keys an earlier smpckpt saved of an nn.DataParallel model under its ``module.`` (saved as its module since)
-_DP_KEYS = re.compile(rf"^({RESERVED.model}|{RESERVED.optim}\.state|{RESERVED.optim}\.param_groups)\.")
-
-
-def under_module(wanted: Iterable[str], saved: Mapping[str, Any], name_map: NameMap | None) -> NameMap | None:
-    """(a load) ``name_map`` reading those keys under ``module.`` when the checkpoint holds every model key wanted
-    that it lacks so and no model key outside ``module.`` (a mix is refused naming keys); else None."""
-    m = f"{RESERVED.model}."
-    lacking = [k for k in wanted if k.startswith(m) and k not in saved]
-    under = [k for k in lacking if f"{m}module.{k[len(m) :]}" in saved]
-    if not under:
-        return None
-    none = [k for k in lacking if f"{m}module.{k[len(m) :]}" not in saved]
-    outside = [k for k in saved if k.startswith(m) and not k.startswith(f"{m}module.")]
-    if none or outside:
-        odd = f"lacks {none[0]} under either name" if none else f"also holds {outside[0]} outside module."
-        raise LayoutMismatch(
-            f"the checkpoint holds {under[0]} as {m}module.{under[0][len(m) :]} (an nn.DataParallel model saved by an "
-            f"earlier smpckpt) but {odd}: pass Sharding(name_map=...) to say which keys to read (lambda k: re.sub(r'^(model|optim\\.state|optim\\.param_groups)\\.', "
-            "r'\\1.module.', k) reads all under module.)"
-        )
-    return lambda k: _DP_KEYS.sub(r"\1.module.", name_map(k) if name_map is not None else k)
-
-
 _LAYER = re.compile(r"(?:(?<=^)|(?<=\.))layers\.(\d+)(?=\.|$)")
 #: path segments of module wrappers, which state dicts leave out (activation checkpointing, FSDP1, compile)
 _WRAPPERS = re.compile(r"(?:^|\.)(?:_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)(?=\.|$)")

@@ -348,11 +348,12 @@ class FileRecord:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any], *, where: str = "manifest") -> FileRecord:
+        name = check_member_name(obj["name"], where=where)  # first: a crafted one is UnsafeCheckpoint, whatever else
         size = int(obj["size"])
         if size < 0:
-            raise ValueError(f"file {obj['name']!r} has a negative size")
-        return cls(  # the name first: a crafted one is UnsafeCheckpoint whatever else is malformed (rev67c F1)
-            name=check_member_name(obj["name"], where=where),
+            raise ValueError(f"file {name!r} has a negative size")
+        return cls(
+            name=name,
             size=size,
             rank=int(obj.get("rank", -1)),
             block_ends=_unpack(obj["block_ends"]),

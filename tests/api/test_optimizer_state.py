@@ -798,9 +798,11 @@ def test_a_parameter_left_out_of_the_optimizer_with_saved_state_is_refused_sayin
     resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=o)  # what it says to do: an optimizer holding them
 
 
-def test_a_dataparallel_model_saves_and_resumes_unwrapped_either_way(tmp_path: Any) -> None:
-    """hunt66c L2: nn.DataParallel keeps its module under ``module.`` (DCP strips DDP's prefix, not its): saved
-    wrapped and resumed unwrapped (or the other way) was refused, every key "not in the checkpoint"."""
+def test_a_dataparallel_model_resumes_as_saved_and_a_resume_across_is_refused_naming_the_prefix(tmp_path: Any) -> None:
+    """nn.DataParallel keeps its module under ``module.`` in torch's own state_dict (DCP strips DDP's prefix, not
+    its): saved and resumed wrapped (under torch.compile or checkpoint_wrapper too) is bit-exact; wrapped one
+    way and resumed the other is refused naming the prefix, strict or not (hunt66c L2; an automatic mapping,
+    tried and reverted, misread pipeline-parallel layer numbers and specs: rev67e F1)."""
 
     def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
@@ -809,44 +811,24 @@ def test_a_dataparallel_model_saves_and_resumes_unwrapped_either_way(tmp_path: A
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    # rev67a F5: under torch.compile's or checkpoint_wrapper's wrapper too (it was saved under module.)
     ways = (
         nn.DataParallel,
         lambda m: checkpoint_wrapper(nn.DataParallel(m)),
         lambda m: torch.compile(nn.DataParallel(m)),
     )
-    for i, (save_as, resume_as) in enumerate([*((w, lambda m: m) for w in ways), (lambda m: m, ways[2])]):
+    for i, way in enumerate(ways):
         m, o = build(0)
         m(torch.randn(2, 8)).sum().backward()
         o.step()
-        save_checkpoint(str(tmp_path), f"s{i}", model=save_as(m), optimizer=o)
+        save_checkpoint(str(tmp_path), f"s{i}", model=way(m), optimizer=o)
         m2, o2 = build(1)
-        resume_from_checkpoint(str(tmp_path), f"s{i}", model=resume_as(m2), optimizer=o2)
+        resume_from_checkpoint(str(tmp_path), f"s{i}", model=way(m2), optimizer=o2)
         assert _equal(m, m2)
         _assert_optim_equal(m, o, m2, o2)
-
-    class Wrapper(nn.Module):  # what an earlier smpckpt saved of nn.DataParallel(m): keys under module.
-        def __init__(self, inner: nn.Module, extra: bool = False) -> None:
-            super().__init__()
-            self.module, self.extra = inner, nn.Linear(2, 2) if extra else None
-
-    m, o = build(0)
-    m(torch.randn(2, 8)).sum().backward()
-    o.step()
-    save_checkpoint(str(tmp_path), "old", model=Wrapper(m), optimizer=o)
-    # rev67a F2: loaded by hand through a name_map, strict=False loaded nothing; now every way, bit-exact
-    for dp, strict in itertools.product((True, False), (True, False)):
-        m2, o2 = build(1)
-        resume_from_checkpoint(
-            str(tmp_path), "old", model=nn.DataParallel(m2) if dp else m2, optimizer=o2, strict=strict
-        )
-        assert _equal(m, m2)
-        _assert_optim_equal(m, o, m2, o2)
-    # ambiguous (a model key outside module. too): refused by name, strict or not
-    save_checkpoint(str(tmp_path), "two", model=Wrapper(m, extra=True), optimizer=o)
-    for strict in (True, False):
+    save_checkpoint(str(tmp_path), "plain", model=m, optimizer=o)
+    for tag, resume_as in (("s0", lambda m: m), ("plain", nn.DataParallel)):
         m2, o2 = build(1)
         with pytest.raises(
-            LayoutMismatch, match=r"model\.0\.weight as model\.module\.0\.weight .* holds model\.extra\."
+            LayoutMismatch, match=r"module\. added or removed \(a model saved wrapped in nn\.DataParallel"
         ):
-            resume_from_checkpoint(str(tmp_path), "two", model=m2, optimizer=o2, strict=strict)
+            resume_from_checkpoint(str(tmp_path), tag, model=resume_as(m2), optimizer=o2)

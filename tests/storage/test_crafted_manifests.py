@@ -102,7 +102,7 @@ def test_a_tiling_of_tiny_rows_is_refused_before_any_checksum(tmp_path: Path) ->
 def test_an_unsafe_file_name_is_unsafe_whatever_else_its_entry_gets_wrong(tmp_path: Path) -> None:
     # rev67c F1: inlining the tiling unpack ahead of the name check made '../evil' + a malformed tiling corrupt
     base = _good(tmp_path, "g")
-    for bad in ({"tilings": _pack([7])}, {"rank": "x"}, {"tilings": _pack([7]), "block_ends": "%%%"}):
+    for bad in ({"tilings": _pack([7])}, {"rank": "x"}, {"tilings": _pack([7]), "block_ends": "%%%"}, {"size": -1}):
         crafted = json.loads(json.dumps(base))
         crafted["files"][0].update(name="../evil.distcp", **bad)
         with pytest.raises(UnsafeCheckpoint, match=r"'\.\./evil\.distcp' is not a plain name"):

@@ -839,6 +839,28 @@ def ddp_batchnorm_world(rank: int, world: int, root: str, how: str) -> dict[str,
     return {k: torch.equal(got[k], job[k]) for k in job}
 
 
+def ddp_subgroup_save_world(rank: int, world: int, root: str) -> dict[str, bool]:
+    """rev67d F4: DDP over the world; rank 0 alone saves it over a group of its own while rank 1 waits. DDP's buffer
+    sync is a collective of DDP's group: made there, rank 0 hung; it saves (and resumes) rank 0's values."""
+    from smpckpt import Checkpointer, Sharding
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    torch.manual_seed(1 + rank)
+    ddp(torch.randn(6, 4)).sum().backward()
+    solo, got = dist.new_group([0]), {}
+    if rank == 0:
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        with Checkpointer(root, Sharding(process_group=solo)) as ck:
+            ck.save("s", ddp)
+            back = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+            ck.resume(None, back)
+        got = {k: torch.equal(v, want[k]) for k, v in back.state_dict().items()}
+    dist.barrier()
+    return got
+
+
 def lone_save_world(rank: int, world: int, root: str, savers: tuple[int, ...]) -> dict[str, Any]:
     """fix67a (hunt66d P2): every rank saves 's1'; then ``savers`` alone save 'emerg' (a SIGTERM handler's
     save) while the other ranks sit in their training all_reduce. Each saver fails within the join timeout

@@ -325,6 +325,8 @@ class GlooGroups:
     def destroy(self) -> None:
         """(all ranks, collectively) Each group once every rank is past its last collective there."""
         groups, self._groups = list(self._groups.values()), {}
+        if self.out_of_step:  # the others may never reach a barrier here (rev67d F2): the process keeps the groups
+            return
         for group in groups:
             if dist.is_available() and dist.is_initialized():
                 with contextlib.suppress(Exception):  # a group torn down with the job's already

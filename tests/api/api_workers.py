@@ -861,20 +861,22 @@ def ddp_subgroup_save_world(rank: int, world: int, root: str) -> dict[str, bool]
     return got
 
 
-def lone_save_world(rank: int, world: int, root: str, savers: tuple[int, ...]) -> dict[str, Any]:
+def lone_save_world(rank: int, world: int, root: str, savers: tuple[int, ...], asy: bool = False) -> dict[str, Any]:
     """fix67a (hunt66d P2): every rank saves 's1'; then ``savers`` alone save 'emerg' (a SIGTERM handler's
     save) while the other ranks sit in their training all_reduce. Each saver fails within the join timeout
     naming who did not join, then joins that all_reduce (the job goes on); 's1' stays newest, resumed
-    bit-exactly."""
+    bit-exactly. ``asy``: async saves (a background gloo group), and each saver then close()s its Checkpointer
+    while the others are in that all_reduce (rev67d F2: it hung in a barrier on the background group)."""
     import time
 
-    from smpckpt import Checkpointer, Sharding
+    from smpckpt import AsyncOptions, Checkpointer, Sharding
     from smpckpt.errors import CheckpointError
 
     m, o = _linear(0)
     _step(m, o, 0)
-    ckpt = Checkpointer(root, Sharding(join_timeout=3))
+    ckpt = Checkpointer(root, Sharding(join_timeout=3), async_options=AsyncOptions(enabled=asy))
     ckpt.save("s1", m, o)
+    ckpt.wait()
     saved = {k: v.clone() for k, v in _params(m).items()}
     said, took, again = "no error", 0.0, "no error"
     if rank in savers:
@@ -888,6 +890,8 @@ def lone_save_world(rank: int, world: int, root: str, savers: tuple[int, ...]) -
             ckpt.save("again", m, o)
         except CheckpointError as exc:
             again = str(exc)
+        if asy:
+            ckpt.close()
     dist.all_reduce(torch.ones(3))  # the others' training collective, still waiting for the savers
     dist.barrier()
     m2, o2 = _linear(1)

@@ -448,21 +448,23 @@ def test_a_save_from_a_signal_handler_during_a_resume_is_refused_by_name(
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    ("world", "savers", "missing"), [(2, (1,), "rank 0"), (2, (0,), "rank 1"), (3, (0, 1), "rank 2")]
+    ("world", "savers", "missing", "asy"),
+    [(2, (1,), "rank 0", False), (2, (0,), "rank 1", False), (3, (0, 1), "rank 2", False), (2, (1,), "rank 0", True)],
 )
 def test_a_save_that_only_some_ranks_enter_fails_within_the_join_timeout_naming_the_others(
-    tmp_path: Any, world: int, savers: tuple[int, ...], missing: str
+    tmp_path: Any, world: int, savers: tuple[int, ...], missing: str, asy: bool
 ) -> None:
     """hunt66d P2: a save made by some ranks only (a SIGTERM handler's, a flag only one rank checks) met the
     other ranks inside their training collective: every rank hung with no message until the group's
     timeout (30 minutes). The save now first meets on a gloo group of its own, bounded by
     ``Sharding.join_timeout``: each saver fails in about that time, naming the ranks that did not join
     (rank 0 knows; another rank of a larger world knows rank 0 did not confirm), nothing is written, 's1'
-    stays newest and resumes bit-exactly, and the savers can still meet the others in their collective."""
+    stays newest and resumes bit-exactly, and the savers can still meet the others in their collective. ``asy``:
+    the saver's close() after it returns at once (rev67d F2: it hung in a barrier of the async group)."""
     import api_workers
     from dist_harness import run_world
 
-    got = run_world(api_workers.lone_save_world, world, str(tmp_path), savers, timeout=90)
+    got = run_world(api_workers.lone_save_world, world, str(tmp_path), savers, asy, timeout=90)
     for rank, r in enumerate(got):
         assert r["newest"] == "s1" and r["dirs"] == ["s1_partial"] and r["exact"], (rank, r)
         if rank not in savers:

@@ -861,6 +861,28 @@ def ddp_subgroup_save_world(rank: int, world: int, root: str) -> dict[str, bool]
     return got
 
 
+def late_save_world(rank: int, world: int, root: str, late: int) -> dict[str, str]:
+    """rev67d F3: rank ``late`` enters save 'b' later than the join timeout (2 s); the others give up on it. The late
+    rank's error and later refusal said another rank died, or named the others as not having entered."""
+    import time
+
+    from smpckpt import Checkpointer, Sharding
+    from smpckpt.errors import CheckpointError
+
+    m, _ = _linear(0)
+    ckpt, said = Checkpointer(root, Sharding(join_timeout=2)), {"b": "no error", "again": "no error"}
+    ckpt.save("a", m)
+    if rank == late:
+        time.sleep(5)
+    for tag in said:
+        try:
+            ckpt.save(tag, m)
+        except CheckpointError as exc:
+            said[tag] = str(exc)
+    dist.all_reduce(torch.ones(3))  # training goes on
+    return said
+
+
 def lone_save_world(rank: int, world: int, root: str, savers: tuple[int, ...], asy: bool = False) -> dict[str, Any]:
     """fix67a (hunt66d P2): every rank saves 's1'; then ``savers`` alone save 'emerg' (a SIGTERM handler's
     save) while the other ranks sit in their training all_reduce. Each saver fails within the join timeout

@@ -479,6 +479,25 @@ def test_a_save_that_only_some_ranks_enter_fails_within_the_join_timeout_naming_
         assert "rank 0 did not confirm" in got[1]["said"], got[1]
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize(("world", "late"), [(2, 0), (3, 1)])
+def test_a_rank_entering_a_save_after_the_join_timeout_is_told_the_others_may_have_given_up(
+    tmp_path: Any, world: int, late: int
+) -> None:
+    """rev67d F3: the late rank was told another rank "died or was killed", and its later refusals named the
+    others as not having entered the save; it now says they may have given up after join_timeout."""
+    import api_workers
+    from dist_harness import run_world
+
+    got = run_world(api_workers.late_save_world, world, str(tmp_path), late, timeout=90)
+    said = got[late]
+    assert said["b"].startswith(f"rank {late} of {world}: saving checkpoint 'b' under "), said
+    assert "may have given up after join_timeout (2s; this rank entered late)" in said["b"], said
+    assert "died or was killed" not in said["b"] and "did not enter" not in said["b"] + said["again"], said
+    assert "'again'" in said["again"] and "refused" in said["again"] and "entered late" in said["again"], said
+    assert all("did not" in r["b"] for i, r in enumerate(got) if i != late), got
+
+
 @pytest.mark.parametrize("bad", [0, -1.5, float("nan"), float("inf"), True, "60"])
 def test_a_join_timeout_that_is_no_positive_number_of_seconds_is_refused_when_built(bad: Any) -> None:
     from smpckpt import Sharding

@@ -883,6 +883,33 @@ def late_save_world(rank: int, world: int, root: str, late: int) -> dict[str, st
     return said
 
 
+def smp_rebuild_world(rank: int, world: int, root: str, asy: bool) -> dict[str, Any]:
+    """rev67d F1: smp face, join_timeout set; rank 1 passes a bad ``partial`` to a save whose arguments do not fit the
+    model's kept Checkpointer (another root; ``asy``: AsyncOptions added). Rank 1 met the others in the kept one's
+    join while they sat in a new one's agreement: a hang. Every rank now fails at once with rank 1's error."""
+    import time
+
+    from smpckpt import AsyncOptions, Sharding
+
+    m, _ = _linear(0)
+    opts: list[Any] = [Sharding(join_timeout=3)]
+    save_checkpoint(os.path.join(root, "A"), "a", model=m, options=opts)
+    started, said = time.monotonic(), "no error"
+    try:
+        save_checkpoint(
+            os.path.join(root, "A" if asy else "B"),
+            "b",
+            partial=True if rank == 0 else "yes",
+            model=m,
+            options=[*opts, AsyncOptions(enabled=True)] if asy else opts,
+        )
+    except TypeError as exc:
+        said = str(exc)
+    took = time.monotonic() - started
+    dist.all_reduce(torch.ones(2))  # training goes on
+    return {"said": said, "took": took}
+
+
 def lone_save_world(rank: int, world: int, root: str, savers: tuple[int, ...], asy: bool = False) -> dict[str, Any]:
     """fix67a (hunt66d P2): every rank saves 's1'; then ``savers`` alone save 'emerg' (a SIGTERM handler's
     save) while the other ranks sit in their training all_reduce. Each saver fails within the join timeout

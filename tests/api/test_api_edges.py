@@ -498,6 +498,22 @@ def test_a_rank_entering_a_save_after_the_join_timeout_is_told_the_others_may_ha
     assert all("did not" in r["b"] for i, r in enumerate(got) if i != late), got
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("asy", [False, True])
+def test_an_smp_save_argument_failing_on_one_rank_while_the_kept_checkpointer_is_replaced_fails_every_rank(
+    tmp_path: Any, asy: bool
+) -> None:
+    # rev67d F1: with join_timeout set, the failing rank met in the kept Checkpointer's join, the others in a new
+    # one's agreement: rank 1 failed after the bound, rank 0 hung
+    import api_workers
+    from dist_harness import run_world
+
+    got = run_world(api_workers.smp_rebuild_world, 2, str(tmp_path), asy, timeout=60)
+    assert got[1]["said"] == "partial must be True or False, got 'yes'", got
+    assert got[0]["said"] == "rank 1 failed: partial must be True or False, got 'yes'", got
+    assert all(r["took"] < 2.5 for r in got), got
+
+
 @pytest.mark.parametrize("bad", [0, -1.5, float("nan"), float("inf"), True, "60"])
 def test_a_join_timeout_that_is_no_positive_number_of_seconds_is_refused_when_built(bad: Any) -> None:
     from smpckpt import Sharding

@@ -422,17 +422,25 @@ def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
 
 
 def train_state(
-    model: nn.Module | None, optimizers: tuple[torch.optim.Optimizer, ...], *, destinations: bool = False
+    model: nn.Module | None,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    *,
+    destinations: bool = False,
+    group: Any = None,
 ) -> dict[str, Any]:
     """``{model: ..., optim: ...}`` through DCP's state_dict API (FQN-keyed optimizer state). DCP steps a fresh
     optimizer once at lr 0 to give it state: a resume (``destinations``) wants that; a save does not (it changed
     the run's next step), so it takes a fresh optimizer as it is (:func:`_taken_as_is`), and DDP's buffers
-    (BatchNorm's statistics) as its next forward will, rank 0's (a collective of every rank)."""
+    (BatchNorm's statistics) as its next forward will, rank 0's: a collective on DDP's group, so only when every
+    rank of it takes part in this save (over ``group``; a rank saving alone hung there, rev67d F4)."""
     if model is None:
         return {}
     ddp = getattr(model, "_orig_mod", model)  # torch.compile's wrapper around DDP, too
     if not destinations and isinstance(ddp, nn.parallel.DistributedDataParallel) and ddp._check_sync_bufs_pre_fwd():
-        ddp._sync_buffers()  # its next forward's rank 0 buffers, not this rank's last batch's statistics (hunt67 F1)
+        if group is None or set(dist.get_process_group_ranks(ddp.process_group)) <= set(
+            dist.get_process_group_ranks(group)
+        ):
+            ddp._sync_buffers()  # its next forward's rank 0 buffers, not this rank's last batch's statistics (hunt67 F1)
     if not optimizers:
         return {RESERVED.model: get_model_state_dict(model, options=OPTIONS)}
     with contextlib.nullcontext() if destinations else _taken_as_is(optimizers):

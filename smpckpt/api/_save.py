@@ -112,7 +112,7 @@ def build_save_state(
     req: SaveRequest, ctx: DistContext, counter: SequenceCounter
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(all ranks, through ``ctx.all_ok``) This rank's state dict and, on rank 0, the manifest's ``extra``."""
-    state = train_state(req.model, req.optimizers)
+    state = train_state(req.model, req.optimizers, group=ctx.pg)
     if req.opts.save_rng:
         state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
     if not ctx.is_coordinator:
@@ -292,7 +292,9 @@ def full_url(root: str, tag: str) -> str:
 def _tensor_state(common: CommonRequest, optim: bool, destinations: bool = False) -> dict[str, Any]:
     """The model's state and (``optim``) the optimizer's per-parameter state, numbers included (Adafactor's
     int ``step``: left behind, a resume paired the saved moments with the live step)."""
-    state = train_state(common.model, common.optimizers if optim else (), destinations=destinations)
+    state = train_state(
+        common.model, common.optimizers if optim else (), destinations=destinations, group=common.process_group
+    )
     if RESERVED.optim in state:
         state[RESERVED.optim] = {
             k: v for k, v in state[RESERVED.optim].items() if isinstance(v, torch.Tensor) or k.startswith("state.")

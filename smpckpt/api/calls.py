@@ -266,16 +266,17 @@ def _prepare(
             where = (location_key(location.path, location.storage_options), location.storage_options)
         except OSError as exc:
             raise CheckpointError(f"{fn}: checkpoint location {location.path!r}: {type(exc).__name__}: {exc}") from exc
-        return _checkpointer(model, location, where, built, save), built[call]
+        return _checkpointer(model, location, where, built, save, save and partial is not False), built[call]
     except Exception as exc:  # failed on this rank: every rank fails, in the collective the others are in
         _fail_together(options, moved, f"{fn}'s arguments", exc, save and partial is not False, model)
         raise
 
 
 def _checkpointer(
-    model: Any, location: Location, where: tuple[Any, ...], built: dict[type, Any], save: bool
+    model: Any, location: Location, where: tuple[Any, ...], built: dict[type, Any], save: bool, joins: bool = False
 ) -> Checkpointer:
-    """The model's kept Checkpointer when it fits ``built``, else a fresh one, kept on the model."""
+    """The model's kept Checkpointer when it fits ``built``, else a fresh one, kept on the model (``joins``: a
+    partial save, which meets in the kept one's join first, where a rank whose arguments failed waits for it)."""
     sharding, fast_tier, model = built[Sharding] or Sharding(), built[FastTier], wrapped(model)[-1]
     retention, async_options = built[Retention] or Retention(), built[AsyncOptions] or AsyncOptions()
     kept = model.__dict__.get(_KEPT) if isinstance(model, nn.Module) else None
@@ -294,6 +295,10 @@ def _checkpointer(
         # carries its save numbers and a roll-back it resumed over
         if held is not None:
             held.wait()
+            if joins:  # rev67d F1: else those ranks met there while these sat in the new one's agreement: a hang
+                held._groups.join(
+                    DistContext(held.sharding.process_group), held.sharding.join_timeout, "save_checkpoint"
+                )
         ckpt = Checkpointer(location, sharding, fast_tier=fast_tier, retention=retention, async_options=async_options)
         if held is not None and held_key[:2] == key[:2]:
             ckpt._counter.adopt(held._counter)

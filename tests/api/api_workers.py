@@ -839,20 +839,93 @@ def ddp_batchnorm_world(rank: int, world: int, root: str, how: str) -> dict[str,
     return {k: torch.equal(got[k], job[k]) for k in job}
 
 
-def lone_save_world(rank: int, world: int, root: str, savers: tuple[int, ...]) -> dict[str, Any]:
-    """fix67a (hunt66d P2): every rank saves 's1'; then ``savers`` alone save 'emerg' (a SIGTERM handler's
-    save) while the other ranks sit in their training all_reduce. Each saver fails within the join timeout
-    naming who did not join, then joins that all_reduce (the job goes on); 's1' stays newest, resumed
-    bit-exactly."""
+def ddp_subgroup_save_world(rank: int, world: int, root: str) -> dict[str, bool]:
+    """rev67d F4: DDP over the world; rank 0 alone saves it over a group of its own while rank 1 waits. DDP's buffer
+    sync is a collective of DDP's group: made there, rank 0 hung; it saves (and resumes) rank 0's values."""
+    from smpckpt import Checkpointer, Sharding
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    torch.manual_seed(1 + rank)
+    ddp(torch.randn(6, 4)).sum().backward()
+    solo, got = dist.new_group([0]), {}
+    if rank == 0:
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        with Checkpointer(root, Sharding(process_group=solo)) as ck:
+            ck.save("s", ddp)
+            back = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+            ck.resume(None, back)
+        got = {k: torch.equal(v, want[k]) for k, v in back.state_dict().items()}
+    dist.barrier()
+    return got
+
+
+def late_save_world(rank: int, world: int, root: str, late: int) -> dict[str, str]:
+    """rev67d F3: rank ``late`` enters save 'b' later than the join timeout (2 s); the others give up on it. The late
+    rank's error and later refusal said another rank died, or named the others as not having entered."""
     import time
 
     from smpckpt import Checkpointer, Sharding
     from smpckpt.errors import CheckpointError
 
+    m, _ = _linear(0)
+    ckpt, said = Checkpointer(root, Sharding(join_timeout=2)), {"b": "no error", "again": "no error"}
+    ckpt.save("a", m)
+    if rank == late:
+        time.sleep(5)
+    for tag in said:
+        try:
+            ckpt.save(tag, m)
+        except CheckpointError as exc:
+            said[tag] = str(exc)
+    dist.all_reduce(torch.ones(3))  # training goes on
+    return said
+
+
+def smp_rebuild_world(rank: int, world: int, root: str, asy: bool) -> dict[str, Any]:
+    """rev67d F1: smp face, join_timeout set; rank 1 passes a bad ``partial`` to a save whose arguments do not fit the
+    model's kept Checkpointer (another root; ``asy``: AsyncOptions added). Rank 1 met the others in the kept one's
+    join while they sat in a new one's agreement: a hang. Every rank now fails at once with rank 1's error."""
+    import time
+
+    from smpckpt import AsyncOptions, Sharding
+
+    m, _ = _linear(0)
+    opts: list[Any] = [Sharding(join_timeout=3)]
+    save_checkpoint(os.path.join(root, "A"), "a", model=m, options=opts)
+    started, said = time.monotonic(), "no error"
+    try:
+        save_checkpoint(
+            os.path.join(root, "A" if asy else "B"),
+            "b",
+            partial=True if rank == 0 else "yes",
+            model=m,
+            options=[*opts, AsyncOptions(enabled=True)] if asy else opts,
+        )
+    except TypeError as exc:
+        said = str(exc)
+    took = time.monotonic() - started
+    dist.all_reduce(torch.ones(2))  # training goes on
+    return {"said": said, "took": took}
+
+
+def lone_save_world(rank: int, world: int, root: str, savers: tuple[int, ...], asy: bool = False) -> dict[str, Any]:
+    """fix67a (hunt66d P2): every rank saves 's1'; then ``savers`` alone save 'emerg' (a SIGTERM handler's
+    save) while the other ranks sit in their training all_reduce. Each saver fails within the join timeout
+    naming who did not join, then joins that all_reduce (the job goes on); 's1' stays newest, resumed
+    bit-exactly. ``asy``: async saves (a background gloo group), and each saver then close()s its Checkpointer
+    while the others are in that all_reduce (rev67d F2: it hung in a barrier on the background group)."""
+    import time
+
+    from smpckpt import AsyncOptions, Checkpointer, Sharding
+    from smpckpt.errors import CheckpointError
+
     m, o = _linear(0)
     _step(m, o, 0)
-    ckpt = Checkpointer(root, Sharding(join_timeout=3))
+    ckpt = Checkpointer(root, Sharding(join_timeout=3), async_options=AsyncOptions(enabled=asy))
     ckpt.save("s1", m, o)
+    ckpt.wait()
     saved = {k: v.clone() for k, v in _params(m).items()}
     said, took, again = "no error", 0.0, "no error"
     if rank in savers:
@@ -866,6 +939,8 @@ def lone_save_world(rank: int, world: int, root: str, savers: tuple[int, ...]) -
             ckpt.save("again", m, o)
         except CheckpointError as exc:
             again = str(exc)
+        if asy:
+            ckpt.close()
     dist.all_reduce(torch.ones(3))  # the others' training collective, still waiting for the savers
     dist.barrier()
     m2, o2 = _linear(1)

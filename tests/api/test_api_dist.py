@@ -426,3 +426,10 @@ def test_ddp_batchnorm_statistics_are_rank_0s_as_ddps_next_forward_takes(tmp_pat
     # that never stopped
     for rank, equal in enumerate(run_world(api_workers.ddp_batchnorm_world, 2, str(tmp_path), how, timeout=120)):
         assert all(equal.values()), (rank, equal)
+
+
+def test_ddp_saved_by_a_group_without_some_of_its_ranks_saves_without_the_buffer_sync(tmp_path: Any) -> None:
+    # rev67d F4: rank 0 saving DDP alone (Sharding(process_group=new_group([0]))) hung in DDP's buffer sync, a
+    # collective of DDP's whole group; without the sync it saves this rank's values, as before hunt67
+    got = run_world(api_workers.ddp_subgroup_save_world, 2, str(tmp_path), timeout=60)
+    assert got[1] == {} and len(got[0]) == 7 and all(got[0].values()), got

@@ -448,21 +448,23 @@ def test_a_save_from_a_signal_handler_during_a_resume_is_refused_by_name(
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    ("world", "savers", "missing"), [(2, (1,), "rank 0"), (2, (0,), "rank 1"), (3, (0, 1), "rank 2")]
+    ("world", "savers", "missing", "asy"),
+    [(2, (1,), "rank 0", False), (2, (0,), "rank 1", False), (3, (0, 1), "rank 2", False), (2, (1,), "rank 0", True)],
 )
 def test_a_save_that_only_some_ranks_enter_fails_within_the_join_timeout_naming_the_others(
-    tmp_path: Any, world: int, savers: tuple[int, ...], missing: str
+    tmp_path: Any, world: int, savers: tuple[int, ...], missing: str, asy: bool
 ) -> None:
     """hunt66d P2: a save made by some ranks only (a SIGTERM handler's, a flag only one rank checks) met the
     other ranks inside their training collective: every rank hung with no message until the group's
     timeout (30 minutes). The save now first meets on a gloo group of its own, bounded by
     ``Sharding.join_timeout``: each saver fails in about that time, naming the ranks that did not join
     (rank 0 knows; another rank of a larger world knows rank 0 did not confirm), nothing is written, 's1'
-    stays newest and resumes bit-exactly, and the savers can still meet the others in their collective."""
+    stays newest and resumes bit-exactly, and the savers can still meet the others in their collective. ``asy``:
+    the saver's close() after it returns at once (rev67d F2: it hung in a barrier of the async group)."""
     import api_workers
     from dist_harness import run_world
 
-    got = run_world(api_workers.lone_save_world, world, str(tmp_path), savers, timeout=90)
+    got = run_world(api_workers.lone_save_world, world, str(tmp_path), savers, asy, timeout=90)
     for rank, r in enumerate(got):
         assert r["newest"] == "s1" and r["dirs"] == ["s1_partial"] and r["exact"], (rank, r)
         if rank not in savers:
@@ -475,6 +477,41 @@ def test_a_save_that_only_some_ranks_enter_fails_within_the_join_timeout_naming_
     assert f"{missing} did not enter the save" in got[savers[0]]["said"], got
     if world == 3:
         assert "rank 0 did not confirm" in got[1]["said"], got[1]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("world", "late"), [(2, 0), (3, 1)])
+def test_a_rank_entering_a_save_after_the_join_timeout_is_told_the_others_may_have_given_up(
+    tmp_path: Any, world: int, late: int
+) -> None:
+    """rev67d F3: the late rank was told another rank "died or was killed", and its later refusals named the
+    others as not having entered the save; it now says they may have given up after join_timeout."""
+    import api_workers
+    from dist_harness import run_world
+
+    got = run_world(api_workers.late_save_world, world, str(tmp_path), late, timeout=90)
+    said = got[late]
+    assert said["b"].startswith(f"rank {late} of {world}: saving checkpoint 'b' under "), said
+    assert "may have given up after join_timeout (2s; this rank entered late)" in said["b"], said
+    assert "died or was killed" not in said["b"] and "did not enter" not in said["b"] + said["again"], said
+    assert "'again'" in said["again"] and "refused" in said["again"] and "entered late" in said["again"], said
+    assert all("did not" in r["b"] for i, r in enumerate(got) if i != late), got
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("asy", [False, True])
+def test_an_smp_save_argument_failing_on_one_rank_while_the_kept_checkpointer_is_replaced_fails_every_rank(
+    tmp_path: Any, asy: bool
+) -> None:
+    # rev67d F1: with join_timeout set, the failing rank met in the kept Checkpointer's join, the others in a new
+    # one's agreement: rank 1 failed after the bound, rank 0 hung
+    import api_workers
+    from dist_harness import run_world
+
+    got = run_world(api_workers.smp_rebuild_world, 2, str(tmp_path), asy, timeout=60)
+    assert got[1]["said"] == "partial must be True or False, got 'yes'", got
+    assert got[0]["said"] == "rank 1 failed: partial must be True or False, got 'yes'", got
+    assert all(r["took"] < 2.5 for r in got), got
 
 
 @pytest.mark.parametrize("bad", [0, -1.5, float("nan"), float("inf"), True, "60"])

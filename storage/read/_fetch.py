@@ -22,14 +22,11 @@ import numpy as np
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.storage.backends._fs import (
-    NOT_SUPPORTED,
-    advise_random,
-    in_memory,
     is_local,
     is_s3,
-    pread_cached,
     pread_into,
 )
+from smpckpt.storage.backends._nofollow import NOT_SUPPORTED, advise_random, in_memory, pread_cached
 from smpckpt.storage.format._checksum import hash_rows
 from smpckpt.storage.format._columns import STREAM_PIECE_BYTES, Into
 from smpckpt.storage.format.manifest import FileRecord

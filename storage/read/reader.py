@@ -36,12 +36,12 @@ from smpckpt.storage.backends._fs import (
     FsspecLocation,
     confine,
     default_read_threads,
-    device_read_bytes,
     file_sizes,
     is_local,
     join,
     read_bytes_or_none,
 )
+from smpckpt.storage.backends._nofollow import device_read_bytes
 from smpckpt.storage.format import manifest as _names
 from smpckpt.storage.format._columns import REQUEST_COST_BYTES
 from smpckpt.storage.format._reading import ReadStats

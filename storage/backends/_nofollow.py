@@ -3,10 +3,6 @@
 Every helper here takes a directory descriptor and a *single* name (no ``/``): the kernel resolves that
 name once, against that descriptor, so no component of a path can be swapped for a symbolic link
 between a check and the operation. :mod:`._folder` builds the protocol's folder on these.
-
-Local reads that know the page cache (``RWF_NOWAIT``, tmpfs detection, ``posix_fadvise``), at the end: a
-verifying reader hashes each check unit while it is still in the CPU cache, which wants unit-sized requests
-when bytes are cached and a few large ones from a cold disk; ``RWF_NOWAIT`` tells them apart per request.
 """
 
 from __future__ import annotations
@@ -19,14 +15,13 @@ import logging
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from smpckpt.errors import UnsafeCheckpoint
 
 __all__ = ["DIR_FLAGS", "NEW_FLAGS", "open_dir_at", "open_parent_and_name", "create_at", "open_new_at"]
 __all__ += ["remove_tree_at", "rename_noreplace", "walk_sizes", "libc_function", "MAX_DEPTH"]
-__all__ += ["pread_cached", "NOT_SUPPORTED", "in_memory", "advise_random", "device_read_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -266,69 +261,3 @@ def rename_noreplace(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> No
         os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
         return
     raise FileExistsError(errno.EEXIST, "exists", dst)
-
-
-#: :func:`pread_cached`'s answer where the filesystem cannot tell (tmpfs, NFS, FUSE, non-Linux)
-NOT_SUPPORTED = -1
-
-_RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
-#: filesystems whose files are memory: reading them never waits for a device
-_MEMORY_FS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
-
-
-def pread_cached(fd: int, views: Sequence[memoryview], offset: int, dev: int) -> int:
-    """Read file bytes at ``offset`` into ``views`` (filled in order) as far as they are in the page
-    cache, without waiting for the device: the bytes read (0 when the first page is not cached; fewer
-    than asked when a later one is not, or the file ends), or :data:`NOT_SUPPORTED` where the
-    filesystem (``dev``: the file's ``st_dev``) cannot read so; a caller asks once per file."""
-    if _RWF_NOWAIT is None:
-        return NOT_SUPPORTED
-    try:
-        got = os.preadv(fd, views, offset, _RWF_NOWAIT)
-    except BlockingIOError:
-        got = 0  # EAGAIN: the first page is not in the page cache
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        return NOT_SUPPORTED
-    return got
-
-
-def in_memory(dev: int) -> bool:
-    """Whether files on the filesystem of ``st_dev`` ``dev`` live in memory (tmpfs, ramfs), by
-    ``/proc/self/mountinfo`` (about 45 us: ask once per request); ``False`` where that cannot be told."""
-    return _fstype(dev) in _MEMORY_FS
-
-
-def _fstype(dev: int) -> str:
-    want = f"{os.major(dev)}:{os.minor(dev)}"
-    with contextlib.suppress(OSError):
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                # "36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw": field 3 is the device,
-                # the first field after " - " the filesystem type
-                fields = line.split()
-                if len(fields) > 2 and fields[2] == want and " - " in line:
-                    return line.split(" - ", 1)[1].split()[0]
-    return ""
-
-
-def advise_random(fd: int, random: bool = True) -> None:
-    """Read-ahead advice for this descriptor (it applies to this open file only). ``random``: none
-    (``POSIX_FADV_RANDOM``), for strided and scattered reads whose gaps read-ahead would fetch for
-    nothing; else a larger window (``POSIX_FADV_SEQUENTIAL``)."""
-    if hasattr(os, "posix_fadvise"):
-        with contextlib.suppress(OSError):  # advice only: a filesystem that refuses it reads as before
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if random else os.POSIX_FADV_SEQUENTIAL)
-
-
-def device_read_bytes() -> int | None:
-    """Bytes this process has caused to be read from storage devices so far (``read_bytes`` of
-    ``/proc/self/io``: every thread of the process; page-cache hits are not counted, read-ahead is), or
-    ``None`` where the OS does not report it."""
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/io", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    return None

@@ -132,7 +132,8 @@ class OwnedOptions(UserDict[str, Any]):
             return found
         key = (*pin, fsspec.utils.tokenize(options))
         # single dict operations (atomic under the GIL): two threads at once at worst build one filesystem more
-        fs = self.opened.pop(key, None) or fs
+        found = self.opened.pop(key, None)
+        fs = found if found is not None else fs
         if fs is not None:
             self.opened[key] = fs  # the most recently used last
             for old in [k for k in list(self.opened) if k[:2] == pin][:-KEPT]:

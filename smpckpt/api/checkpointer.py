@@ -65,7 +65,7 @@ from smpckpt.api.options import (
 from smpckpt.catalog.root import SequenceCounter, newest_record, partial_url, validate_tag
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
 from smpckpt.model.layout import KeyMapper, ParallelLayout
-from smpckpt.storage.backends._fs import location_key
+from smpckpt.storage.backends._fs import location_key, options_now
 
 __all__ = ["Checkpointer", "last_resume_info", "ResumeInfo"]
 
@@ -332,7 +332,7 @@ class Checkpointer:
                 layout=self.layout,
                 rules=self.sharding.rules,
                 name_map=self.sharding.name_map,
-                storage_options=self.location.storage_options,
+                storage_options=options_now(self.location.storage_options),  # this call's, in the background too
                 process_group=self.sharding.process_group,
                 held_by_some=self.sharding.held_by_some,
             )
@@ -343,6 +343,7 @@ class Checkpointer:
             if cls is SaveOptions and not self._closed:  # every rank is in this save, or it fails in a bound
                 self._groups.join(ctx, self.sharding.join_timeout, action)
             common, opts = ctx.agreed(check, what)
+            self._counter.storage_options = common.storage_options  # a save's number read with its options
             if self.sharding.join_timeout is not None:  # every rank is here: the group later saves meet on
                 self._groups.get(ctx, "join", self.sharding.join_timeout)
             if tag is not None or cls is not ResumeOptions:
@@ -537,11 +538,11 @@ class Checkpointer:
         with peer_failures(ctx, action), gc_frozen(opts.freeze_gc):
             if common.model is None and out is not None:  # no model and no out was refused above
                 dest = out
-                return ctx.on_coordinator(lambda: self._consolidate(tag, dest, opts))
+                return ctx.on_coordinator(lambda: self._consolidate(tag, dest, opts, common.storage_options))
             url = out if out is not None else full_url(path, tag)
             return save_full(ctx, common, tag, url, opts, user_content, self._counter, self._planners)
 
-    def _consolidate(self, tag: str, out: str, opts: ExportOptions) -> str:
+    def _consolidate(self, tag: str, out: str, opts: ExportOptions, storage_options: Any) -> str:
         """(rank 0) The committed partial checkpoint ``tag`` as a full artifact in ``out``."""
         from smpckpt.tools.consolidate import consolidate_checkpoint  # the offline export (rooms: BACK_EDGES)
 
@@ -554,7 +555,7 @@ class Checkpointer:
             max_shard_size=opts.max_shard_size,
             translation=opts.translate_function,
             hf_config=opts.hf_config,
-            storage_options=loc.storage_options,
+            storage_options=storage_options,
             progress=False,
             format=opts.format,
             out_storage_options=opts.out_storage_options,

@@ -6,10 +6,6 @@ keep their scheme. Backend errors become the builtin ``OSError`` family naming t
 ``__cause__`` (S3 codes are translated by s3fs; we add the key, wrap untranslated transport errors, and
 let smpckpt's own errors pass), so callers catch ``FileNotFoundError`` alike on every backend.
 
-Local reads that know the page cache (``RWF_NOWAIT``, tmpfs detection, ``posix_fadvise``): a verifying
-reader hashes each check unit while it is still in the CPU cache, which wants unit-sized requests when
-bytes are cached and a few large ones from a cold disk; ``RWF_NOWAIT`` tells them apart per request.
-
 Key prefixes: object stores scale request rates per key prefix, so a prefix strategy puts each data file
 one folder down, ``<folder>/<prefix>/<name>``, prefixes differing in their first character between
 neighbouring files. The prefix is part of each file's recorded name, so readers and tools follow the
@@ -42,10 +38,9 @@ from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 
 __all__ = ["supports_url", "open_fs", "location_key", "is_local", "join", "read_bytes_or_none", "file_sizes"]
 __all__ += ["ls_fresh", "pread_into", "translate_errors", "translate", "FsspecLocation", "default_write_threads"]
-__all__ += ["MAX_WRITE_THREADS", "default_read_threads", "pread_cached", "NOT_SUPPORTED", "in_memory"]
-__all__ += ["advise_random", "device_read_bytes"]
+__all__ += ["MAX_WRITE_THREADS", "default_read_threads"]
 __all__ += ["PrefixStrategy", "PrefixOption", "FlatLayout", "NumericPrefixes", "HexPrefixes", "BinaryPrefixes"]
-__all__ += ["resolve", "check_prefix"]
+__all__ += ["resolve", "check_prefix", "OwnedOptions", "options_now"]
 
 
 _ERRNO: Mapping[type[OSError], int] = MappingProxyType(
@@ -107,16 +102,57 @@ _LOCAL_OPTIONS = frozenset(
 )
 
 
-class OwnedOptions(UserDict[str, Any]):
-    """A Location's ``storage_options`` (the caller's mapping, not a copy) keeping the filesystems :func:`open_fs`
-    built from them, by their contents at each open: ``skip_instance_cache=True`` built one per open (hunt66b)."""
+#: filesystems a Location keeps per scheme and process, most recently used: rotated credentials built a client
+#: each, all kept for the Location's life (rev67e F5)
+KEPT = 3
 
-    def __init__(self, options: Mapping[str, Any]) -> None:
+
+class OwnedOptions(UserDict[str, Any]):
+    """A Location's ``storage_options`` (the caller's mapping, not a copy) keeping the :data:`KEPT` filesystems
+    :func:`open_fs` built from them, by their contents, that were used last (``skip_instance_cache=True`` built one
+    per open: hunt66b). A call works on a :meth:`snapshot`: a copy and its filesystem, so all it does (its
+    background work too) uses the options as they were when it began (rev67e F4); the next call, the caller's edits."""
+
+    def __init__(self, options: Mapping[str, Any], opened: dict[tuple[str, int, str], Any] | None = None) -> None:
         self.data = options  # type: ignore[assignment]  # a read-only mapping stays read-only
-        self.opened: dict[tuple[str, int, str], Any] = {}  # by scheme, pid (a forked child builds its own), token
+        self.opened = {} if opened is None else opened  # by scheme, pid (a forked child builds its own), token
+        self.pinned: dict[tuple[str, int], Any] | None = None  # a snapshot's filesystems (its token taken once)
+
+    def snapshot(self) -> OwnedOptions:
+        if self.pinned is not None:
+            return self
+        copy = OwnedOptions(_copied(self.data), self.opened)  # sharing what the Location keeps
+        copy.pinned = {}
+        return copy
+
+    def kept(self, scheme: str, options: Mapping[str, Any], fs: Any = None) -> Any:
+        """The filesystem kept for ``options`` (``fs``: keep it, dropping the least recently used past KEPT)."""
+        pin = (scheme, os.getpid())
+        if self.pinned is not None and (found := self.pinned.get(pin)) is not None:
+            return found
+        key = (*pin, fsspec.utils.tokenize(options))
+        # single dict operations (atomic under the GIL): two threads at once at worst build one filesystem more
+        found = self.opened.pop(key, None)
+        fs = found if found is not None else fs
+        if fs is not None:
+            self.opened[key] = fs  # the most recently used last
+            for old in [k for k in list(self.opened) if k[:2] == pin][:-KEPT]:
+                self.opened.pop(old, None)  # a call's snapshot that holds it keeps it alive until the call ends
+            if self.pinned is not None:
+                self.pinned[pin] = fs
+        return fs
 
     def __reduce__(self) -> Any:
         return (dict, (dict(self),))  # another process builds its own: a filesystem is never pickled
+
+
+def _copied(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _copied(v) if isinstance(v, Mapping) else v for k, v in options.items()}
+
+
+def options_now(options: Any) -> Any:
+    """One call's storage options: a Location's as they are now (:meth:`OwnedOptions.snapshot`), others as given."""
+    return options.snapshot() if isinstance(options, OwnedOptions) else options
 
 
 def open_fs(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
@@ -138,14 +174,15 @@ def open_fs(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | No
                 f"{sorted(_LOCAL_OPTIONS)}); were they meant for an s3:// URL?"
             )
     options = _s3_defaults(dict(storage_options or {})) if scheme in ("s3", "s3a") else dict(storage_options or {})
-    key = (scheme, os.getpid(), fsspec.utils.tokenize(options))  # changed options (an endpoint moved): their own
-    owned = storage_options.opened if isinstance(storage_options, OwnedOptions) and "::" not in url else {}
-    try:
-        if (fs := owned.get(key)) is not None and not type(fs)._get_kwargs_from_urls(url):
+    owned = storage_options if isinstance(storage_options, OwnedOptions) and "::" not in url else None
+    try:  # changed options (an endpoint moved): a filesystem of their own
+        fs = owned.kept(scheme, options) if owned is not None else None
+        if fs is not None and not type(fs)._get_kwargs_from_urls(url):
             path = fs._strip_protocol(url)  # as url_to_fs finds it
         else:
             fs, path = fsspec.core.url_to_fs(url, **options)
-            owned.setdefault(key, fs)
+            if owned is not None:
+                owned.kept(scheme, options, fs)
     except ImportError as exc:
         if scheme in ("s3", "s3a"):
             raise ImportError(f"{url}: install smpckpt[s3] (it adds s3fs) to use s3:// paths") from exc
@@ -431,72 +468,6 @@ def _local_ranks() -> int:
 
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-#: :func:`pread_cached`'s answer where the filesystem cannot tell (tmpfs, NFS, FUSE, non-Linux)
-NOT_SUPPORTED = -1
-
-_RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
-#: filesystems whose files are memory: reading them never waits for a device
-_MEMORY_FS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
-
-
-def pread_cached(fd: int, views: Sequence[memoryview], offset: int, dev: int) -> int:
-    """Read file bytes at ``offset`` into ``views`` (filled in order) as far as they are in the page
-    cache, without waiting for the device: the bytes read (0 when the first page is not cached; fewer
-    than asked when a later one is not, or the file ends), or :data:`NOT_SUPPORTED` where the
-    filesystem (``dev``: the file's ``st_dev``) cannot read so; a caller asks once per file."""
-    if _RWF_NOWAIT is None:
-        return NOT_SUPPORTED
-    try:
-        got = os.preadv(fd, views, offset, _RWF_NOWAIT)
-    except BlockingIOError:
-        got = 0  # EAGAIN: the first page is not in the page cache
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        return NOT_SUPPORTED
-    return got
-
-
-def in_memory(dev: int) -> bool:
-    """Whether files on the filesystem of ``st_dev`` ``dev`` live in memory (tmpfs, ramfs), by
-    ``/proc/self/mountinfo`` (about 45 us: ask once per request); ``False`` where that cannot be told."""
-    return _fstype(dev) in _MEMORY_FS
-
-
-def _fstype(dev: int) -> str:
-    want = f"{os.major(dev)}:{os.minor(dev)}"
-    with contextlib.suppress(OSError):
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                # "36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw": field 3 is the device,
-                # the first field after " - " the filesystem type
-                fields = line.split()
-                if len(fields) > 2 and fields[2] == want and " - " in line:
-                    return line.split(" - ", 1)[1].split()[0]
-    return ""
-
-
-def advise_random(fd: int, random: bool = True) -> None:
-    """Read-ahead advice for this descriptor (it applies to this open file only). ``random``: none
-    (``POSIX_FADV_RANDOM``), for strided and scattered reads whose gaps read-ahead would fetch for
-    nothing; else a larger window (``POSIX_FADV_SEQUENTIAL``)."""
-    if hasattr(os, "posix_fadvise"):
-        with contextlib.suppress(OSError):  # advice only: a filesystem that refuses it reads as before
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if random else os.POSIX_FADV_SEQUENTIAL)
-
-
-def device_read_bytes() -> int | None:
-    """Bytes this process has caused to be read from storage devices so far (``read_bytes`` of
-    ``/proc/self/io``: every thread of the process; page-cache hits are not counted, read-ahead is), or
-    ``None`` where the OS does not report it."""
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/io", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    return None
 
 
 # A prefix is one plain folder name: what _names.check_member_name accepts for a folder component.

@@ -22,16 +22,13 @@ import numpy as np
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.storage.backends._fs import (
-    NOT_SUPPORTED,
-    advise_random,
-    in_memory,
     is_local,
     is_s3,
-    pread_cached,
     pread_into,
 )
 from smpckpt.storage.format._checksum import hash_rows
 from smpckpt.storage.format._columns import STREAM_PIECE_BYTES, Into
+from smpckpt.storage.format._reading import NOT_SUPPORTED, advise_random, in_memory, pread_cached
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.full._files import data_file
 from smpckpt.storage.read._plan import ROWS_PER_CALL, BoxRead, Item

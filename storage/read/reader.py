@@ -36,7 +36,6 @@ from smpckpt.storage.backends._fs import (
     FsspecLocation,
     confine,
     default_read_threads,
-    device_read_bytes,
     file_sizes,
     is_local,
     join,
@@ -44,7 +43,7 @@ from smpckpt.storage.backends._fs import (
 )
 from smpckpt.storage.format import manifest as _names
 from smpckpt.storage.format._columns import REQUEST_COST_BYTES
-from smpckpt.storage.format._reading import ReadStats
+from smpckpt.storage.format._reading import ReadStats, device_read_bytes
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format._staging import MIN_STAGING_BYTES, STAGING_BYTES
 from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, FileRecord, Manifest, Probe, probe

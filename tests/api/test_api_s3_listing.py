@@ -138,3 +138,75 @@ def test_a_location_pickled_or_copied_keeps_one_filesystem_for_its_life(
         ckpt.resume(model=model)
         assert len(built) == 1, f"{len(built)} S3FileSystem(s) built by one Checkpointer's save and resume"
         assert all(torch.equal(p, torch.full_like(p, float(step))) for p in model.parameters())
+
+
+def test_an_async_save_writes_with_the_options_it_was_called_with_whatever_the_caller_sets_later(
+    s3_root: tuple[str, dict[str, Any]], monkeypatch: Any
+) -> None:
+    # rev67e F4: each open re-read the caller's dict: an endpoint moved right after save() returned sent the
+    # background save's later writes there (its manifest: EndpointConnectionError, the save lost)
+    import threading
+
+    from s3_env import free_port
+
+    from smpckpt import AsyncOptions, Checkpointer
+
+    root, options = s3_root
+    first = options["client_kwargs"]["endpoint_url"]
+    held, real = threading.Event(), Checkpointer._write
+
+    def write_later(self: Any, *args: Any) -> None:
+        held.wait(30)  # the background write starts once the caller has moved the endpoint
+        real(self, *args)
+
+    monkeypatch.setattr(Checkpointer, "_write", write_later)
+    ckpt = Checkpointer(Location(root, storage_options=options), async_options=AsyncOptions(enabled=True))
+    ckpt.save("s1", model=_model(3.0), user_content={"tag": "s1"})
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": dead}
+    held.set()
+    ckpt.wait()
+    ckpt.close()
+    options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": first}
+    model = _model(0.0)
+    assert resume_from_checkpoint(Location(root, storage_options=options), model=model) == {"tag": "s1"}
+    assert all(torch.equal(p, torch.full_like(p, 3.0)) for p in model.parameters())
+
+
+def test_a_location_keeps_a_few_filesystems_when_its_options_keep_changing(
+    s3_root: tuple[str, dict[str, Any]], monkeypatch: Any
+) -> None:
+    # rev67e F5: one filesystem (an S3 client) kept per distinct options for the Location's life: a secret
+    # rotated at every save kept them all
+    import gc
+    import weakref
+
+    import s3fs
+
+    from smpckpt import Checkpointer
+    from smpckpt.storage.backends._fs import KEPT
+
+    root, options = s3_root
+    alive: list[weakref.ref[Any]] = []
+    real = s3fs.S3FileSystem.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        alive.append(weakref.ref(self))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "__init__", counted)
+    location = Location(root, storage_options=options)
+    ckpt = Checkpointer(location)
+    alive.clear()  # (its own, for the options as they were)
+    for step in range(KEPT + 4):
+        options["secret"] = f"rotated-{step}"  # moto takes any secret
+        ckpt.save(f"s{step}", model=_model(float(step)))
+    assert len(alive) == KEPT + 4  # one per options' contents: each save kept its own
+    options["secret"] = f"rotated-{KEPT + 2}"  # recently used: its filesystem again
+    model = _model(0.0)
+    ckpt.resume(model=model)
+    assert len(alive) == KEPT + 4, f"{len(alive)} S3FileSystem(s) built"
+    assert all(torch.equal(p, torch.full_like(p, float(KEPT + 3))) for p in model.parameters())
+    gc.collect()
+    assert len(location.storage_options.opened) == KEPT
+    assert sum(ref() is not None for ref in alive) <= KEPT, "older filesystems still alive"

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
-from smpckpt.storage.backends import _fs as _page_cache  # the page-cache probe lives in _fs
+from smpckpt.storage.format import _reading as _page_cache  # the page-cache probe lives in _reading
 from smpckpt.storage.format._checksum import hash_parts, hash_rows
 from smpckpt.storage.read import _fetch
 from smpckpt.storage.tools import read_manifest

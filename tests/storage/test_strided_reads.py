@@ -22,8 +22,7 @@ from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter
-from smpckpt.storage.backends._fs import in_memory
-from smpckpt.storage.format._reading import ReadStats
+from smpckpt.storage.format._reading import ReadStats, in_memory
 from smpckpt.storage.read import _plan, _run
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -583,9 +583,9 @@ def _nesting_mismatches(missing: Sequence[str], saved: Mapping[str, Any]) -> str
     moved += [k for k in missing if k.startswith(f"{m}module.") and f"{m}{k[len(m) + 7 :]}" in saved]
     if moved:  # torch's nn.DataParallel keeps its module under module. (DCP strips DDP's prefix, not its)
         notes.append(
-            f"{moved[0]}: the checkpoint holds it with module. added or removed (a model saved wrapped in "
-            "nn.DataParallel, resumed unwrapped, or the reverse): resume it wrapped as saved, or map the keys with "
-            "Sharding(name_map=...)"
+            f"{moved[0]}: the checkpoint holds it with module. added or removed (saved or resumed inside a wrapper "
+            "holding the model as `module`: nn.DataParallel, AveragedModel, ...): resume it wrapped as saved, or map "
+            "the keys with Sharding(name_map=...)"
         )
     return "; " + "; ".join(notes[:_SHOW]) if notes else ""
 

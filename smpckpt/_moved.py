@@ -34,7 +34,7 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         "api._save": "api._planner_reuse _planner_reuse _save api._full _full",
         "storage.backends._fs": (
             "storage.backends._errors storage.backends._location storage.backends._threads "
-            "storage.backends._page_cache storage.backends._prefixes storage._fs storage._errors storage._prefixes "
+            "storage.backends._prefixes storage._fs storage._errors storage._prefixes "
             "storage._location storage._threads"
         ),
         "planners._cache": "planners._wire planners._plan_cache planners._plan_wire",
@@ -43,7 +43,7 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         "planners._replica_values": "planners._ownership",
         "storage.format._reading": (
             "storage.format._ranges storage.format._tensor_bytes storage._tensor_bytes storage._ranges "
-            "storage.format._regions storage._regions"
+            "storage.format._regions storage._regions storage.backends._page_cache"
         ),
         "storage.backends._folder": "storage.backends._paths",
         "storage.read.reader": "storage.full.reader storage.reader",

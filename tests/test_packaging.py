@@ -46,6 +46,10 @@ def test_old_module_paths_give_the_moved_modules() -> None:
     assert pickle.loads(old_pickle) == ParallelLayout(tp=2, dp=3)
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("smpckpt.no_such_module")
+    # a module's names followed it when it moved again (rev67g F2: the page-cache reads left _fs for _reading)
+    page_cache = importlib.import_module("smpckpt.storage.backends._page_cache")
+    for name in ("pread_cached", "NOT_SUPPORTED", "in_memory", "advise_random", "device_read_bytes"):
+        assert hasattr(page_cache, name), name
 
 
 def test_old_module_paths_keep_their_public_names() -> None:

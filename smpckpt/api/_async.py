@@ -257,6 +257,16 @@ class GlooGroups:
         self.process_group = process_group
         self._groups: dict[str, Any] = {}
         self.out_of_step = ""  # why this rank's saves no longer meet the others' (:meth:`join`)
+        self.bound: float | None = None  # the join's timeout, once its group is made: bounds close()'s barriers too
+
+    def serves(self, process_group: Any) -> bool:
+        """Whether these groups are over the ranks of ``process_group`` (``None``: the world)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return True
+        ranks = [self.process_group, process_group]
+        for i, pg in enumerate(ranks):
+            ranks[i] = list(range(dist.get_world_size())) if pg is None else dist.get_process_group_ranks(pg)
+        return ranks[0] == ranks[1]
 
     def get(self, ctx: DistContext, purpose: str = "save", timeout: float | None = None) -> Any:
         """(all ranks, collectively the first time) The group for ``purpose`` (``None``: no process group),
@@ -272,6 +282,7 @@ class GlooGroups:
                 ranks=ranks, backend="gloo", timeout=wait, use_local_synchronization=ranks is not None
             )
             self._groups[purpose] = group
+            self.bound = timeout if purpose == "join" else self.bound
         return group
 
     def join(self, ctx: DistContext, timeout: float | None, action: str) -> None:
@@ -296,8 +307,8 @@ class GlooGroups:
         # the others closed the meeting: they gave up after join_timeout (this rank came late), or one died
         closed = any(m in text.lower() for m in ("connection closed", "connection reset", "broken pipe"))
         if closed:  # who is not known: naming the others as not having entered was wrong (rev67d F3)
-            who = f"the other ranks left the save's meeting: they may have given up after join_timeout ({timeout:g}s; "
-            who += "this rank entered late), or one died"
+            who = "the other ranks left the save's meeting: a rank died or was killed, or they gave up after "
+            who += f"join_timeout ({timeout:g}s; this rank entered late)"
         elif found:
             missing = [r.strip() for r in found.group(1).split(",") if r.strip()]
             who = f"rank{'s' * (len(missing) > 1)} {', '.join(missing)} did not enter the save"
@@ -331,14 +342,17 @@ class GlooGroups:
         return (self.get(ctx), *(self.get(ctx, f"stream{i}") for i in range(1, STREAMS)))
 
     def destroy(self) -> None:
-        """(all ranks, collectively) Each group once every rank is past its last collective there."""
+        """(all ranks, collectively) Each group once every rank is past its last collective there: with a join
+        bound, waited for that long at most (a rank out of step since a save only some ranks entered may never
+        come: rev67d F2, rev67f F1), then left to the process."""
         groups, self._groups = list(self._groups.values()), {}
         if self.out_of_step:  # the others may never reach a barrier here (rev67d F2): the process keeps the groups
             return
+        wait = datetime.timedelta(seconds=self.bound) if self.bound is not None else None
         for group in groups:
             if dist.is_available() and dist.is_initialized():
-                with contextlib.suppress(Exception):  # a group torn down with the job's already
-                    dist.barrier(group=group)
+                with contextlib.suppress(Exception):  # a group torn down with the job's already, or a peer not come
+                    dist.barrier(group=group) if wait is None else dist.monitored_barrier(group, wait)
                     dist.destroy_process_group(group)
 
 

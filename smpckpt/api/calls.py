@@ -196,7 +196,8 @@ def _fail_together(
     if ctx.active and ctx.world_size > 1:
         inner = wrapped(model)[-1]
         kept = inner.__dict__.get(_KEPT) if saves and isinstance(inner, nn.Module) else None
-        if isinstance(kept, _Kept) and kept.checkpointer is not None:  # the others use it (a new one: no join)
+        # the others use it (a new one, or one over other ranks, rev67f F2: no join)
+        if isinstance(kept, _Kept) and kept.checkpointer is not None and kept.checkpointer._groups.serves(group):
             try:
                 kept.checkpointer._groups.join(ctx, kept.checkpointer.sharding.join_timeout, what)
             except Exception:  # noqa: BLE001 - the others are not in this save: this rank's own error alone
@@ -295,7 +296,7 @@ def _checkpointer(
         # carries its save numbers and a roll-back it resumed over
         if held is not None:
             held.wait()
-            if joins:  # rev67d F1: else those ranks met there while these sat in the new one's agreement: a hang
+            if joins and held._groups.serves(sharding.process_group):  # rev67d F1: else a hang (rev67f F2: same ranks)
                 held._groups.join(
                     DistContext(held.sharding.process_group), held.sharding.join_timeout, "save_checkpoint"
                 )

@@ -173,7 +173,9 @@ def open_fs(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | No
                 f"{url}: storage_options {unknown} do not apply to a local path (local disk accepts "
                 f"{sorted(_LOCAL_OPTIONS)}); were they meant for an s3:// URL?"
             )
-    options = _s3_defaults(dict(storage_options or {})) if scheme in ("s3", "s3a") else dict(storage_options or {})
+    # copied to the leaves: s3fs keeps the client_kwargs dict it is given and connects later (rev67g F1)
+    options = _copied(storage_options or {})
+    options = _s3_defaults(options) if scheme in ("s3", "s3a") else options
     owned = storage_options if isinstance(storage_options, OwnedOptions) and "::" not in url else None
     try:  # changed options (an endpoint moved): a filesystem of their own
         fs = owned.kept(scheme, options) if owned is not None else None

@@ -943,11 +943,17 @@ def lone_save_world(rank: int, world: int, root: str, savers: tuple[int, ...], a
             ckpt.close()
     dist.all_reduce(torch.ones(3))  # the others' training collective, still waiting for the savers
     dist.barrier()
+    closed = 0.0
+    if asy and rank not in savers:  # rev67f F1: a rank that never entered that save closes too (it hung)
+        started = time.monotonic()
+        ckpt.close()
+        closed = time.monotonic() - started
     m2, o2 = _linear(1)
     Checkpointer(root).resume(None, m2, o2)
     return {
         "said": said,
         "took": took,
+        "closed": closed,
         "again": again,
         "newest": _newest(root),
         "dirs": _dirs(root),

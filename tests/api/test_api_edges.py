@@ -460,7 +460,8 @@ def test_a_save_that_only_some_ranks_enter_fails_within_the_join_timeout_naming_
     ``Sharding.join_timeout``: each saver fails in about that time, naming the ranks that did not join
     (rank 0 knows; another rank of a larger world knows rank 0 did not confirm), nothing is written, 's1'
     stays newest and resumes bit-exactly, and the savers can still meet the others in their collective. ``asy``:
-    the saver's close() after it returns at once (rev67d F2: it hung in a barrier of the async group)."""
+    the saver's close() after it returns at once (rev67d F2: it hung in a barrier of the async group), the other
+    rank's within the bound (rev67f F1: it hung there, waiting for the saver)."""
     import api_workers
     from dist_harness import run_world
 
@@ -468,7 +469,7 @@ def test_a_save_that_only_some_ranks_enter_fails_within_the_join_timeout_naming_
     for rank, r in enumerate(got):
         assert r["newest"] == "s1" and r["dirs"] == ["s1_partial"] and r["exact"], (rank, r)
         if rank not in savers:
-            assert r["said"] == "no error", r
+            assert r["said"] == "no error" and r["closed"] < 20, r
             continue
         assert r["said"].startswith(f"rank {rank} of {world}: saving checkpoint 'emerg' under "), r
         assert "within 3s (Sharding.join_timeout)" in r["said"] and "README" in r["said"], r
@@ -485,15 +486,15 @@ def test_a_rank_entering_a_save_after_the_join_timeout_is_told_the_others_may_ha
     tmp_path: Any, world: int, late: int
 ) -> None:
     """rev67d F3: the late rank was told another rank "died or was killed", and its later refusals named the
-    others as not having entered the save; it now says they may have given up after join_timeout."""
+    others as not having entered the save; it now says one died or they gave up after join_timeout."""
     import api_workers
     from dist_harness import run_world
 
     got = run_world(api_workers.late_save_world, world, str(tmp_path), late, timeout=90)
     said = got[late]
     assert said["b"].startswith(f"rank {late} of {world}: saving checkpoint 'b' under "), said
-    assert "may have given up after join_timeout (2s; this rank entered late)" in said["b"], said
-    assert "died or was killed" not in said["b"] and "did not enter" not in said["b"] + said["again"], said
+    assert "or they gave up after join_timeout (2s; this rank entered late)" in said["b"], said
+    assert "did not enter" not in said["b"] + said["again"], said
     assert "'again'" in said["again"] and "refused" in said["again"] and "entered late" in said["again"], said
     assert all("did not" in r["b"] for i, r in enumerate(got) if i != late), got
 

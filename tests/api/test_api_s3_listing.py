@@ -210,3 +210,18 @@ def test_a_location_keeps_a_few_filesystems_when_its_options_keep_changing(
     gc.collect()
     assert len(location.storage_options.opened) == KEPT
     assert sum(ref() is not None for ref in alive) <= KEPT, "older filesystems still alive"
+
+
+def test_no_filesystem_holds_the_callers_nested_options() -> None:
+    """rev67g F1: s3fs keeps the ``client_kwargs`` dict it is given and connects on first use, so a filesystem
+    built from the caller's own dict (the Checkpointer's key, a save's snapshot sharing it) followed an endpoint
+    the caller changed in place after ``save()`` returned: a rank whose background write connected first then
+    wrote to the new endpoint and the save was lost. Each filesystem is built from a copy to the leaves."""
+    from smpckpt.storage.backends._fs import open_fs
+
+    opts = {"anon": True, "skip_instance_cache": True, "client_kwargs": {"endpoint_url": "http://127.0.0.1:1"}}
+    for options in (opts, Location("s3://bucket/run", opts).storage_options):
+        fs, _ = open_fs("s3://bucket/run", options)
+        opts["client_kwargs"]["endpoint_url"] = "http://127.0.0.1:2"
+        assert fs.client_kwargs == {"endpoint_url": "http://127.0.0.1:1"}, fs.client_kwargs
+        opts["client_kwargs"]["endpoint_url"] = "http://127.0.0.1:1"

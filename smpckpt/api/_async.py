@@ -342,17 +342,16 @@ class GlooGroups:
         return (self.get(ctx), *(self.get(ctx, f"stream{i}") for i in range(1, STREAMS)))
 
     def destroy(self) -> None:
-        """(all ranks, collectively) Each group once every rank is past its last collective there: with a join
-        bound, waited for that long at most (a rank out of step since a save only some ranks entered may never
-        come: rev67d F2, rev67f F1), then left to the process."""
+        """(all ranks, collectively) Each group once every rank is past its last collective there; with a join
+        bound, none: the process keeps them (a rank out of step since a save only some ranks entered never
+        comes to a barrier, and a gloo barrier's send waits the group's whole timeout: rev67d F2, rev67f F1)."""
         groups, self._groups = list(self._groups.values()), {}
-        if self.out_of_step:  # the others may never reach a barrier here (rev67d F2): the process keeps the groups
+        if self.out_of_step or self.bound is not None:
             return
-        wait = datetime.timedelta(seconds=self.bound) if self.bound is not None else None
         for group in groups:
             if dist.is_available() and dist.is_initialized():
-                with contextlib.suppress(Exception):  # a group torn down with the job's already, or a peer not come
-                    dist.barrier(group=group) if wait is None else dist.monitored_barrier(group, wait)
+                with contextlib.suppress(Exception):  # a group torn down with the job's already
+                    dist.barrier(group=group)
                     dist.destroy_process_group(group)
 
 

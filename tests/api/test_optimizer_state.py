@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_api_single import _assert_optim_equal, _equal
 from torch import nn
 from unused_branch import unused_branch_model, unused_branch_step
 
@@ -16,33 +17,18 @@ import smpckpt
 from smpckpt import LayoutMismatch, resume_from_checkpoint, save_checkpoint
 
 
-def _equal(a: nn.Module, b: nn.Module) -> bool:
-    """Same (non-empty) set of state keys, and every value bit-exact with the same dtype and shape."""
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa and list(sa) == list(sb), (list(sa), list(sb))
-    return all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+class Quantised(nn.Module):
+    """A linear layer and a frozen int8 parameter (a quantised weight)."""
 
-
-def _assert_optim_equal(m: nn.Module, o: torch.optim.Optimizer, m2: nn.Module, o2: torch.optim.Optimizer) -> None:
-    """Per parameter (matched by name), the same non-empty optimizer state keys with bit-exact values."""
-    p1, p2 = dict(m.named_parameters()), dict(m2.named_parameters())
-    assert p1 and list(p1) == list(p2)
-    for name in p1:
-        s1, s2 = o.state[p1[name]], o2.state[p2[name]]
-        assert s1 and set(s1) == set(s2), (name, set(s1), set(s2))
-        for k in s1:
-            assert torch.equal(s1[k], s2[k]), (name, k)
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.q = nn.Parameter(torch.randint(-5, 5, (4,), dtype=torch.int8), requires_grad=False)
 
 
 def test_a_frozen_integer_parameter_with_optimizer_state_resumes(tmp_path: Any) -> None:
     """rev66e F3: a frozen int8 parameter (a quantised weight) in Adagrad (state made for every parameter)
     failed the resume: it was made trainable for the load, which torch refuses for integer tensors."""
-
-    class Quantised(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            self.q = nn.Parameter(torch.randint(-5, 5, (4,), dtype=torch.int8), requires_grad=False)
 
     torch.manual_seed(0)
     m = Quantised()
@@ -61,12 +47,6 @@ def test_a_frozen_integer_parameter_with_optimizer_state_resumes(tmp_path: Any) 
 def test_a_frozen_integer_parameters_saved_optimizer_state_is_restored(tmp_path: Any) -> None:
     """DCP loads no state into a frozen parameter and torch refuses requires_grad on an integer one: its saved
     Adagrad state was dropped, silently (fresh optimizer and in-process roll-back alike)."""
-
-    class Quantised(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            self.q = nn.Parameter(torch.randint(-5, 5, (4,), dtype=torch.int8), requires_grad=False)
 
     torch.manual_seed(0)
     m = Quantised()

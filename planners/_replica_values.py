@@ -224,7 +224,9 @@ def check_replica_values(fresh: Sequence[Any], structure: Sequence[Any], layout:
         raise ReplicaMismatch(
             "ranks that must hold the same tensor piece hold different values, and only one of them would be "
             f"saved: {'; '.join(problems[:_SHOWN])}{more}. (Checked on a sample of each tensor; pass "
-            "verify_replicas=False only if replicas are meant to differ.)"
+            "verify_replicas=False only if replicas are meant to differ: one rank's values are saved then. "
+            "BatchNorm statistics differ per rank unless SyncBatchNorm, or DDP's buffer sync with every rank of "
+            "its group in the save, makes them one.)"
         )
 
 

@@ -18,7 +18,7 @@ import io
 import logging
 import math
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -249,6 +249,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(shown)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to skip them)"
                 + _nesting_mismatches(read, md_all)
+                + module_note(read, md_all)
                 + likely_causes(read, md_all)
             )
         ties.count(items)
@@ -578,16 +579,17 @@ def _nesting_mismatches(missing: Sequence[str], saved: Mapping[str, Any]) -> str
         elif whole is not None:
             what = "an object" if isinstance(saved[whole], BytesStorageMetadata) else "a tensor"
             notes.append(f"{key}: the checkpoint holds {whole!r} whole ({what}), not a container of keys under it")
-    m = f"{RESERVED.model}."
-    moved = [k for k in missing if k.startswith(m) and f"{m}module.{k[len(m) :]}" in saved]
-    moved += [k for k in missing if k.startswith(f"{m}module.") and f"{m}{k[len(m) + 7 :]}" in saved]
-    if moved:  # torch's nn.DataParallel keeps its module under module. (DCP strips DDP's prefix, not its)
-        notes.append(
-            f"{moved[0]}: the checkpoint holds it with module. added or removed (saved or resumed inside a wrapper "
-            "holding the model as `module`: nn.DataParallel, AveragedModel, ...): resume it wrapped as saved, or map "
-            "the keys with Sharding(name_map=...)"
-        )
     return "; " + "; ".join(notes[:_SHOW]) if notes else ""
+
+
+def module_note(missing: Sequence[str], saved: Container[str]) -> str:
+    """(error path) A missing model key ``saved`` holds with ``module.`` added or removed (nn.DataParallel's)."""
+    m, why = f"{RESERVED.model}.", "saved or resumed inside a wrapper holding the model as `module`"
+    for k in missing:
+        added, removed = f"{m}module.{k[len(m) :]}", f"{m}{k[len(m) + 7 :]}" if k.startswith(f"{m}module.") else ""
+        if k.startswith(m) and (added in saved or removed in saved):
+            return f"; {k}: the checkpoint holds it with module. added or removed ({why}: nn.DataParallel, AveragedModel, ...): resume it wrapped as saved, or map the keys with Sharding(name_map=...)"
+    return ""
 
 
 def _show(keys: Sequence[str]) -> str:

@@ -33,7 +33,7 @@ from smpckpt.catalog import root as catalog
 from smpckpt.catalog.root import SequenceCounter, join_url, partial_url, record_order
 from smpckpt.errors import CheckpointError, CheckpointNotFound, loaded_in_place
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
-from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, dtensor_layout, likely_causes
+from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, dtensor_layout, likely_causes, module_note
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
 __all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
@@ -585,7 +585,8 @@ def _warn_skipped(
     parts += [f"in the {noun}, loaded by no rank: {show(unexpected)}"] if unexpected else []
     dropped_by = "left unloaded by the translate_function (dropped, or not in the model)"
     parts += [f"{dropped_by}: {show(dropped)}"] if dropped else []
-    message = f"{url}: strict=False skipped keys; " + "; ".join(parts) + likely_causes(kept + unexpected, unexpected)
+    message = f"{url}: strict=False skipped keys; " + "; ".join(parts) + module_note(kept, set(unexpected))
+    message += likely_causes(kept + unexpected, unexpected)
     log.warning(message)
     # the caller's frame: all_ok, its lambda, skipped_keys, _resume (and resume_full), resume
     warnings.warn(message, stacklevel=8 if full else 7)

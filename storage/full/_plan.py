@@ -9,7 +9,8 @@ transposed, never assembled). Each write is cut into check units of about ``chec
 xxh3 go into the generation's metadata.
 
 ``torch_save`` files are laid out by ``torch.save`` itself (:func:`_torch_file`; README, "Full checkpoints").
-Record CRCs are zero (``set_crc32_options(False)``); integrity comes from the check units.
+Record CRCs are what ``torch.save`` wrote under ``skip_data`` (nothing here computes them over the data);
+integrity comes from the check units.
 """
 
 from __future__ import annotations

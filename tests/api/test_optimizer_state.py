@@ -781,7 +781,8 @@ def test_a_parameter_left_out_of_the_optimizer_with_saved_state_is_refused_sayin
 def test_a_dataparallel_model_resumes_as_saved_and_a_resume_across_is_refused_naming_the_prefix(tmp_path: Any) -> None:
     """nn.DataParallel keeps its module under ``module.`` in torch's own state_dict (DCP strips DDP's prefix, not
     its): saved and resumed wrapped (under torch.compile or checkpoint_wrapper too) is bit-exact; wrapped one
-    way and resumed the other is refused naming the prefix under strict (strict=False skips those keys, warned)
+    way and resumed the other is refused naming the prefix under strict (strict=False skips those keys, its
+    warning naming the prefix too)
     (hunt66c L2; an automatic mapping, tried and reverted, misread pipeline-parallel layer numbers and specs:
     rev67e F1)."""
 
@@ -811,3 +812,5 @@ def test_a_dataparallel_model_resumes_as_saved_and_a_resume_across_is_refused_na
         m2, o2 = build(1)
         with pytest.raises(LayoutMismatch, match=r"module\. added or removed \(saved or resumed inside a wrapper"):
             resume_from_checkpoint(str(tmp_path), tag, model=resume_as(m2), optimizer=o2)
+        with pytest.warns(UserWarning, match=r"strict=False skipped keys; .*module\. added or removed"):
+            resume_from_checkpoint(str(tmp_path), tag, model=resume_as(m2), optimizer=o2, strict=False)

@@ -50,6 +50,8 @@ def refuse_unflattenable(model: Any, optimizers: Sequence[Any]) -> None:
     import torch
 
     for i, opt in enumerate(optimizers):
+        if _first_odd(opt.state, (torch.Tensor, int, float)) is None:  # the common case: no state_dict() built twice
+            continue
         odd = _first_odd(opt.state_dict()["state"], (torch.Tensor, int, float))
         if odd is not None:
             (index, *key), value = odd  # state_dict() keys state by the parameter's index in its groups

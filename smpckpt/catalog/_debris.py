@@ -174,11 +174,11 @@ def sweep_stale(
     fs, root_path = open_root(root_url, storage_options)
     folders = {r.tag: r for r in records if r.tag not in protected and r.state == "uncommitted"}
     uploads = _s3_uploads(fs, root_path) if folders else None  # the root's, once (not once per folder: hunt66b r4)
-    now = time.time()
 
     def one(tag: str) -> bool:  # its last activity, then (stale) its removal: marked first (commit.remove_folder)
         when = {tag: last_activity(folders[tag].url, storage_options, uploads)}
-        old = select_stale_uncommitted([folders[tag]], when, older_than_s, now)
+        # the clock read after the activity: a file written between the two is never "from the future" (fresh)
+        old = select_stale_uncommitted([folders[tag]], when, older_than_s, time.time())
         return bool(old) and remove(tag, "stale uncommitted folder", uncommitted_only=True)
 
     stale = run_each(fs, list(folders), one)  # 8 folders at once on object stores

@@ -129,11 +129,13 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
             return None  # the tag asked for is uncommitted in path (a drain that did not finish)
 
     durable = ctx.on_coordinator(durable_target)
-    if durable is None and req.tag is not None and found and not complete and not req.opts.missing_ok:
+    if durable is None and found and not complete and not req.opts.missing_ok:
         # (every rank alike: the listing is gathered, ``durable`` broadcast) say why the fast tier's copy is
-        # no answer, rather than "no checkpoint" as if the tag had never been saved
+        # no answer, rather than "no checkpoint" as if the tag had never been saved (tag=None: hunt67 note)
+        what = f"checkpoint {req.tag!r}" if req.tag is not None else "committed checkpoint"
+        copy = "copy of it" if req.tag is not None else f"newest copy, {found[0].tag!r},"
         raise CheckpointNotFound(
-            f"no checkpoint {req.tag!r} under {req.root}: the fast tier's copy of it is committed but incomplete "
+            f"no {what} under {req.root}: the fast tier's {copy} is committed but incomplete "
             f"across the surviving nodes (no node holds {', '.join(found[0].missing[:3])})"
         )
     if durable is not None:  # this job's next saves are numbered after what choosing it saw (catalog.root)

@@ -484,7 +484,9 @@ class Checkpointer:
                         return None
                     what_ = f"checkpoint {tag!r}" if tag is not None else "committed checkpoint"
                     hint = ctx.on_coordinator(lambda: not_found_hint(path, req.storage_options)) if tag is None else ""
-                    raise CheckpointNotFound(f"no {what_} under {path}{hint}")
+                    # a tiered resume searched the fast tier too (hunt67 note: the error named path alone)
+                    fast = f" nor in the fast tier {self._tier.options.local_path}" if self._tier is not None else ""
+                    raise CheckpointNotFound(f"no {what_} under {path}{fast}{hint}")
                 if loaded is not None:
                     rng, state, planner, reader = loaded.rng, loaded.state, loaded.planner, loaded.reader
                 else:

@@ -291,6 +291,27 @@ def test_tag_asked_for_incomplete_in_the_fast_tier_is_refused_saying_so(tmp_path
             resume_from_checkpoint(durable, tag="s1", model=_linear(9), local_path=local)
 
 
+def test_nothing_to_resume_in_either_tier_names_both(tmp_path: Path) -> None:
+    """hunt67 note: a fast tier lost before its first drain gave "no committed checkpoint under <path>",
+    not naming the fast tier searched; one holding only an incomplete copy said nothing of it either."""
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    save_checkpoint(durable, "s1", model=_linear(1), local_path=local, replicas=1, durable_every=5)
+    folder = _job(local, durable) / "s1_partial"
+    lost = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))[0]
+    (folder / lost).unlink()  # a lost node's part
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(
+            CheckpointError, match=f"^no committed checkpoint under {durable}: .*'s1'.*incomplete .*{lost}"
+        ):
+            resume_from_checkpoint(durable, model=_linear(9), local_path=local)
+    shutil.rmtree(local)  # the whole fast tier lost
+    with pytest.raises(
+        CheckpointError, match=f"^no committed checkpoint under {durable} nor in the fast tier {local}$"
+    ):
+        resume_from_checkpoint(durable, model=_linear(9), local_path=local)
+
+
 def test_a_state_that_does_not_fit_the_newest_save_is_refused_not_resumed_from_an_older_one(tmp_path: Path) -> None:
     """s2 saved after the model went bf16; the restarted code builds it fp32. Without the fast tier the
     resume refuses (the dtype, by key); with it, the "this copy failed, try the next" fallback meant for

@@ -166,3 +166,18 @@ def test_a_save_from_inside_an_fsdp2_forward_is_refused_by_name_and_the_forward_
         assert "outside the forward and backward" in got["refused"], (rank, got)
         assert got["same"] and got["exact"], (rank, got)
         assert "left inside an FSDP2 forward" in got.get("stale", "") and "reset_iter_state()" in got["stale"], got
+
+
+def _spec_over_dtensors_world(rank: int, world: int, root: str) -> str:
+    model, opt = _fsdp_model(world, seed=3)
+    sharding = smpckpt.Sharding(layout=smpckpt.ParallelLayout(dp=world), specs={"hidden.weight": smpckpt.ShardSpec(0)})
+    with pytest.raises(smpckpt.SpecError) as info, smpckpt.Checkpointer(root, sharding) as ckpt:
+        ckpt.save("t", model, opt)
+    return str(info.value)
+
+
+def test_a_spec_rule_that_matches_only_dtensors_is_refused_saying_so(tmp_path: Any) -> None:
+    """Spec rules describe plain local tensors; a rule whose keys are all DTensors (an FSDP2 model's) matches none
+    of the tensors it is checked on: the refusal says why, not only that the rule matches no key (it does)."""
+    message = run_world(_spec_over_dtensors_world, 1, str(tmp_path / "ck"))[0]
+    assert "'hidden.weight'" in message and "DTensor" in message, message

@@ -274,8 +274,8 @@ class _EntryMaker:
                 return _dtensor_entry(local_key, key, path, value, is_local)
             if type(value).__name__ == "ShardedTensor":
                 raise SpecError(
-                    f"{key}: ShardedTensor is not supported; convert it to a DTensor or a plain local shard with "
-                    "a ShardSpec"
+                    f"{key}: ShardedTensor is not supported: build FullyShardedDataParallel with a device_mesh= (its "
+                    "state is DTensors then), or convert it to a DTensor or a plain local shard with a ShardSpec"
                 )
             if not isinstance(value, torch.Tensor):
                 return Entry(local_key, key, path, "object", value, rank_local=is_local)

@@ -56,7 +56,7 @@ def _plain(value: Any, *, immutable: bool) -> bool:
     return kind in _ATOMS
 
 
-def encode_object(value: Any, memo: dict[bytes, bytes]) -> bytes:
+def encode_object(value: Any, memo: dict[bytes, bytes], odd: dict[int, bytes] | None = None) -> bytes:
     """``torch.save`` bytes of ``value``. A plain value's bytes are a function of its pickle (keyed by
     it, 1.0, 1, True and -0.0 stay apart): an optimizer's thousands of hyper-parameter objects (11 a
     parameter in torch's flattened format) are a few distinct values, each saved once per ``memo``."""
@@ -71,6 +71,8 @@ def encode_object(value: Any, memo: dict[bytes, bytes]) -> bytes:
     raw = buf.getvalue()
     if key is not None:
         memo[key] = raw
+    elif odd is not None:  # not plain (a numpy scalar, a class): the caller checks it loads weights-only
+        odd.setdefault(id(value), raw)
     return raw
 
 
@@ -272,8 +274,8 @@ class _EntryMaker:
                 return _dtensor_entry(local_key, key, path, value, is_local)
             if type(value).__name__ == "ShardedTensor":
                 raise SpecError(
-                    f"{key}: ShardedTensor is not supported; convert it to a DTensor or a plain local shard with "
-                    "a ShardSpec"
+                    f"{key}: ShardedTensor is not supported: build FullyShardedDataParallel with a device_mesh= (its "
+                    "state is DTensors then), or convert it to a DTensor or a plain local shard with a ShardSpec"
                 )
             if not isinstance(value, torch.Tensor):
                 return Entry(local_key, key, path, "object", value, rank_local=is_local)

@@ -71,6 +71,7 @@ from smpckpt.planners._replica_values import (
     stage_values,
     undigestable,
 )
+from smpckpt.storage.format._safe_pickle import warn_pickled
 
 __all__ = ["ParallelSavePlanner", "SaveReport", "check_replica_digests", "gather_ties"]
 __all__ += ["replica_digest", "dedup_plans", "global_save_plan", "tiling_errors"]
@@ -425,15 +426,19 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         return dtensor_values(pieces) if pieces else None
 
     def _serialise_objects(self) -> dict[str, str]:
-        """Serialise this rank's objects once (``resolve_data`` hands out these bytes); their digests."""
+        """Serialise this rank's objects once (``resolve_data`` hands out these bytes); their digests. Warns
+        naming those a load takes only with ``allow_pickle``."""
         digests: dict[str, str] = {}
         memo: dict[bytes, bytes] = {}  # this save's plain values, each torch.save'd once
+        odd: dict[int, bytes] = {}  # the others (rare), by identity: one a group's parameters share is checked once
         for entry in self.entries.values():
             if entry.kind != "object":
                 continue
-            raw = bytes(entry.value) if isinstance(entry.value, ObjectBytes) else encode_object(entry.value, memo)
+            raw = bytes(entry.value) if isinstance(entry.value, ObjectBytes) else encode_object(entry.value, memo, odd)
             self._object_bytes[entry.key] = raw
             digests[entry.key] = hashlib.sha1(raw).hexdigest()
+        if odd:  # stock DCP saves them too: a save says so, not the restart's load
+            warn_pickled(odd, ((e.key, e.value) for e in self.entries.values()))
         return digests
 
     # -- 3. global plan (coordinator) --------------------------------------------------------------

@@ -221,7 +221,8 @@ def test_unsafe_objects_repeated_are_refused_each_load_and_decoded_once_each_wit
     from smpckpt.storage import FsspecStorageWriter
 
     state = {"w": torch.arange(4.0), "hp": {"a": 0.5, "b": 0.5, "u": Unsafe(3), "v": Unsafe(3)}}
-    sim_save([state], [ParallelSavePlanner(ParallelLayout())], [FsspecStorageWriter(str(tmp_path / "c"))])
+    with pytest.warns(UserWarning, match=r"2 saved objects .*allow_pickle.*hp\.u \(test_object_bytes\.Unsafe\), hp\.v"):
+        sim_save([state], [ParallelSavePlanner(ParallelLayout())], [FsspecStorageWriter(str(tmp_path / "c"))])
     for _ in range(2):
         with pytest.raises(UnsafeCheckpoint, match=r"hp\.[uv]"):
             convert_checkpoint(tmp_path / "c", tmp_path / "out.pt", overwrite=True)
@@ -229,3 +230,48 @@ def test_unsafe_objects_repeated_are_refused_each_load_and_decoded_once_each_wit
     out = torch.load(tmp_path / "out.pt", weights_only=False)
     assert torch.equal(out["w"], state["w"]) and out["hp"]["a"] == out["hp"]["b"] == 0.5
     assert out["hp"]["u"].x == out["hp"]["v"].x == 3 and out["hp"]["u"] is not out["hp"]["v"]
+
+
+class _ExtraState(nn.Linear):
+    """A module whose extra state is a BytesIO (as TransformerEngine's older modules return): stock DCP stores it."""
+
+    def get_extra_state(self) -> io.BytesIO:
+        buf = io.BytesIO()
+        torch.save({"amax": torch.full((3,), 5.0)}, buf)
+        return buf
+
+    def set_extra_state(self, state: Any) -> None:
+        self.loaded = state
+
+
+def test_a_save_names_the_objects_its_resume_loads_only_with_allow_pickle(tmp_path: Path) -> None:
+    """An lr set from a numpy schedule (``np.float64``) and a BytesIO extra state are saved as stock DCP saves
+    them, and a resume refuses them without ``allow_pickle`` (weights-only): the save says so, naming the keys,
+    instead of the restart finding out. Plain values and a tensor lr (weights-only-safe) save without a word."""
+    import warnings
+
+    import numpy as np
+
+    from smpckpt import ResumeOptions, UnsafeCheckpoint
+
+    model = _ExtraState(2, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt.param_groups[0]["lr"] = np.linspace(0.1, 0.01, 4)[1]
+    with pytest.warns(UserWarning, match="allow_pickle") as record:
+        save_checkpoint(tmp_path, "odd", model=model, optimizer=opt)
+    text = " ".join(str(w.message) for w in record)
+    assert "model._extra_state" in text and "optim.param_groups.weight.lr" in text and "numpy.float64" in text
+    fresh = _ExtraState(2, 2)
+    with pytest.raises(UnsafeCheckpoint):
+        resume_from_checkpoint(tmp_path, "odd", model=fresh, optimizer=torch.optim.Adam(fresh.parameters()))
+    resume_from_checkpoint(tmp_path, "odd", model=fresh, options=ResumeOptions(allow_pickle=True, strict=False))
+    fresh.loaded.seek(0)
+    assert torch.equal(torch.load(fresh.loaded)["amax"], torch.full((3,), 5.0))
+    plain = nn.Linear(2, 2)
+    for lr in (0.05, torch.tensor(0.05)):
+        opt = torch.optim.Adam(plain.parameters(), lr=lr)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            save_checkpoint(tmp_path, "plain", model=plain, optimizer=opt, options=SaveOptions(overwrite=True))

@@ -168,7 +168,10 @@ def test_reshard_reports_fast_path_vs_overlap():
 
 def test_objects_load_weights_only_unless_allowed():
     sds = [{"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)} for _ in range(2)]
-    store, _ = save(sds, TP2)
+    with pytest.warns(
+        UserWarning, match=r"1 saved objects load only with allow_pickle=True .*args \(argparse\.Namespace\)"
+    ):
+        store, _ = save(sds, TP2)
     with pytest.raises(UnsafeCheckpoint, match="args: the stored object needs arbitrary code"):
         load([{"w": torch.zeros(2), "args": None}], ParallelLayout(), store)
     sd = {"w": torch.zeros(2), "args": None}

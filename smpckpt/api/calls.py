@@ -249,7 +249,8 @@ def _prepare(
         if not save and built[ResumeOptions].partial != partial:
             raise ValueError(
                 f"partial={partial}{' (the default)' if partial else ''}, but options holds ResumeOptions(partial="
-                f"{built[ResumeOptions].partial}): pass partial={built[ResumeOptions].partial} as well"
+                f"{built[ResumeOptions].partial}): "
+                + ("pass partial=False as well" if partial else "give it partial=False too (its default is True)")
             )
         location = path if isinstance(path, Location) else Location(path)
         if homes:

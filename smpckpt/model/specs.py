@@ -205,8 +205,9 @@ class SpecRules:
         raise SpecError(
             f"none of the {len(self._rules)} spec rules matches a tensor of any rank: {shown}{more}. Rules are "
             "matched against the flattened keys (for save_checkpoint: 'model.<parameter name>' or the parameter "
-            "name itself; 'optim.state.<parameter name>.<state>'); a rule that matches nothing would save every "
-            "TP shard it was meant for as a replica"
+            "name itself; 'optim.state.<parameter name>.<state>') of plain tensors: DTensors (fully_shard, "
+            "parallelize_module) carry their placements and are never matched; a rule that matches nothing would "
+            "save every TP shard it was meant for as a replica"
         )
 
     def to_records(self) -> list[dict[str, Any]]:

@@ -29,8 +29,10 @@ import functools
 import io
 import pickle
 import pickletools
+import warnings
 import zipfile
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -38,7 +40,7 @@ import torch
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, UnsafeCheckpoint
 
-__all__ = ["load_metadata", "check_weights_only", "ALLOWED_GLOBALS"]
+__all__ = ["load_metadata", "check_weights_only", "warn_pickled", "ALLOWED_GLOBALS"]
 
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
@@ -342,6 +344,26 @@ def check_weights_only(data: bytes | memoryview, *, where: str) -> None:
         ) from exc
     except (RuntimeError, EOFError, ValueError) as exc:
         raise CheckpointCorrupt(f"{where}: object bytes cannot be read: {exc!r}") from exc
+
+
+def warn_pickled(objects: Mapping[int, bytes], named: Iterable[tuple[str, Any]]) -> None:
+    """Warn naming the values (``named``: key, value) of ``objects`` (id -> ``torch.save`` bytes) that a load
+    without ``allow_pickle`` refuses (weights-only)."""
+    refused: set[int] = set()
+    for i, data in objects.items():
+        try:
+            torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError:
+            refused.add(i)
+        except Exception:  # noqa: BLE001 - not the refusal asked about (a load reports anything else)
+            pass
+    shown = [f"{k} ({type(v).__module__}.{type(v).__name__})" for k, v in named if id(v) in refused] if refused else []
+    if shown:
+        warnings.warn(
+            f"{len(shown)} saved objects load only with allow_pickle=True (weights-only loading refuses them): "
+            f"{', '.join(shown[:5])}. Store Python numbers (float(x) of a numpy scalar), tensors, or containers of them",
+            stacklevel=3,
+        )
 
 
 def _well_formed(data: bytes | memoryview) -> bool:

@@ -317,3 +317,12 @@ def test_resume_options_partial_false_without_the_keyword_says_to_pass_it(tmp_pa
 
     with pytest.raises(ValueError, match=r"partial=True \(the default\), but .*: pass partial=False as well"):
         resume_from_checkpoint(str(tmp_path), model=nn.Linear(2, 2), options=ResumeOptions(partial=False))
+
+
+def test_partial_false_with_resume_options_left_at_their_default_says_to_set_them(tmp_path: Any) -> None:
+    """partial=False with options=ResumeOptions(strict=False) (its partial left at the default True) was told to
+    pass partial=True, which resumes the other kind of checkpoint: the options are what to change."""
+    from smpckpt import ResumeOptions
+
+    with pytest.raises(ValueError, match=r"partial=False, but .*: give it partial=False too"):
+        resume_from_checkpoint(str(tmp_path), partial=False, model=nn.Linear(2, 2), options=ResumeOptions(strict=False))

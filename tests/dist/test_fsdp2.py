@@ -166,3 +166,44 @@ def test_a_save_from_inside_an_fsdp2_forward_is_refused_by_name_and_the_forward_
         assert "outside the forward and backward" in got["refused"], (rank, got)
         assert got["same"] and got["exact"], (rank, got)
         assert "left inside an FSDP2 forward" in got.get("stale", "") and "reset_iter_state()" in got["stale"], got
+
+
+def _spec_over_dtensors_world(rank: int, world: int, root: str) -> str:
+    model, opt = _fsdp_model(world, seed=3)
+    sharding = smpckpt.Sharding(layout=smpckpt.ParallelLayout(dp=world), specs={"hidden.weight": smpckpt.ShardSpec(0)})
+    with pytest.raises(smpckpt.SpecError) as info, smpckpt.Checkpointer(root, sharding) as ckpt:
+        ckpt.save("t", model, opt)
+    return str(info.value)
+
+
+def test_a_spec_rule_that_matches_only_dtensors_is_refused_saying_so(tmp_path: Any) -> None:
+    """Spec rules describe plain local tensors; a rule whose keys are all DTensors (an FSDP2 model's) matches none
+    of the tensors it is checked on: the refusal says why, not only that the rule matches no key (it does)."""
+    message = run_world(_spec_over_dtensors_world, 1, str(tmp_path / "ck"))[0]
+    assert "'hidden.weight'" in message and "DTensor" in message, message
+
+
+def _fsdp1_world(rank: int, world: int, root: str) -> tuple[str, dict[str, torch.Tensor]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    net = _Net()
+    want = {k: v.clone() for k, v in net.state_dict().items()}
+    cpu = torch.device("cpu")
+    with smpckpt.Checkpointer(root) as ckpt:
+        with pytest.raises(smpckpt.SpecError) as info:
+            ckpt.save("no", FullyShardedDataParallel(_Net(), use_orig_params=True, device_id=cpu))
+        mesh = init_device_mesh("cpu", (world,))
+        ckpt.save("mesh", FullyShardedDataParallel(net, use_orig_params=True, device_id=cpu, device_mesh=mesh))
+    return str(info.value), want
+
+
+def test_fsdp1_is_saved_with_a_device_mesh_and_refused_without_one_saying_so(tmp_path: Any) -> None:
+    """FullyShardedDataParallel's state dicts are ShardedTensors, which smpckpt refuses, unless it was built with a
+    device mesh (DTensors then): the refusal names that remedy, and with it the model resumes bit-exactly."""
+    message, want = run_world(_fsdp1_world, 2, str(tmp_path))[0]
+    assert "ShardedTensor" in message and "device_mesh=" in message, message
+    back = _Net()
+    smpckpt.resume_from_checkpoint(str(tmp_path), "mesh", model=back)
+    assert {k: torch.equal(v, want[k]) for k, v in back.state_dict().items()} == {k: True for k in want}

@@ -172,9 +172,9 @@ def _refuse_emptied(req: ResumeRequest, job: str, durable: Target | None, newest
         return
     raise CheckpointNotFound(
         f"path {req.root} holds none of the checkpoints this fast tier's job drained there "
-        f"({', '.join(map(repr, drained[:3]))}; emptied, or a new run on the same path?), while the fast tier "
-        f"{job} holds {newest!r}: remove that folder from every node's local_path to start fresh, or pass "
-        f"tag={newest!r} to resume the fast copy knowingly"
+        f"({', '.join(map(repr, drained[:3]))}; emptied, or a new run on the same path?), while its fast-tier "
+        f"folder ({job} on node 0, {os.path.basename(job)} in every node's local_path) holds {newest!r}: remove "
+        f"that folder on every node to start fresh, or pass tag={newest!r} to resume the fast copy knowingly"
     )
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import s3fs
+import tier_workers
+from dist_harness import run_world
 from s3_env import free_port
 from tier_helpers import job as _job
 from tier_helpers import linear as _linear
@@ -163,3 +165,20 @@ def test_a_save_past_the_outage_never_drains_over_a_committed_tag(
     s3fs.S3FileSystem.clear_instance_cache()
     assert s3fs.S3FileSystem(**options).cat(key) == before
     assert (Path(job_folder(fast, durable_key(root, options))) / "x_partial").is_dir()
+
+
+def test_every_rank_gets_the_same_answer_on_two_nodes(s3_root: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    """4 ranks on 2 nodes (replicas=2): the emptied path refused on every rank by the same text; with path
+    unreachable the save goes on, resume() refuses and resume(tag=) loads, alike on every rank, no hang."""
+    root, options = s3_root
+    got = run_world(
+        tier_workers.path_cases, 4, str(tmp_path / "fast"), str(tmp_path / "durable"), root, options, _down(options)
+    )
+    for key in ("emptied", "resume_down"):  # rank 0 decides, every rank raises its text
+        said = [(r[key][0], r[key][1].replace("rank 0 failed: ", "")) for r in got]
+        assert all(s == said[0] for s in said), said
+    for r in got:
+        assert r["emptied"][0] == "error" and "CheckpointNotFound" in r["emptied"][1] and "'a2'" in r["emptied"][1]
+        assert r["save_down"][0] == "ok" and r["tag_down"][0] == "ok" and r["exact"]
+        assert r["resume_down"][0] == "error" and "'b2'" in r["resume_down"][1] and root in r["resume_down"][1]
+    assert got[0]["save_down"][1] and got[0]["tag_down"][1]  # warned on rank 0, naming path

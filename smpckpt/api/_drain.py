@@ -83,8 +83,9 @@ def _note_drained(job: str, tag: str) -> None:
 
 def path_down(exc: BaseException) -> bool:
     """``path``'s storage failed to answer (connection refused, timeout, 5xx, as ``storage`` translates them):
-    no answer about a checkpoint, unlike "not found" or a checkpoint's own error."""
-    return isinstance(exc, OSError) and not isinstance(exc, (FileNotFoundError, CheckpointError))
+    no answer about a checkpoint, unlike "not found", a file where a folder goes, or a checkpoint's own error."""
+    wrong = (FileNotFoundError, NotADirectoryError, IsADirectoryError, CheckpointError)
+    return isinstance(exc, OSError) and not isinstance(exc, wrong)
 
 
 class _Budget:

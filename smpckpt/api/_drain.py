@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import os
 import threading
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from smpckpt.api._fast_save import PendingDrain, TierPlan
     from smpckpt.catalog.root import ManifestCache
 
-__all__ = ["drain", "copiers", "holders_of"]
+__all__ = ["drain", "copiers", "holders_of", "JOB_DRAINED", "read_drained", "path_down"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -51,6 +52,40 @@ _PART = DEFAULT_PART_SIZE  # bytes per S3 part of a durable copy (the writers' d
 # want many requests in flight (the fast tier sized these files to about one request each)
 _FILES_AT_ONCE = MappingProxyType({True: 4, False: 16})
 _PARTS_IN_FLIGHT = 2  # per file, on object stores
+#: in a node's job folder: ``{"drained": [tag, ...]}``, the newest tags its drains committed to ``path``
+#: (newest first): a resume finding none of them there refuses the fast copies (an emptied path: tiers68 F2)
+JOB_DRAINED = "smpckpt.drained.json"
+_DRAINED_KEPT = 8  # more than path's retention ever removes at once from a job's newest drains
+
+
+def read_drained(job: str) -> list[str]:
+    """The tags a job folder records as drained to ``path``, newest first (none: no record, an older version's)."""
+    try:
+        with open(os.path.join(job, JOB_DRAINED), "rb") as f:
+            tags = json.loads(f.read(65536).decode("utf-8")).get("drained")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else []
+
+
+def _note_drained(job: str, tag: str) -> None:
+    """(a node's first rank, once ``tag`` is committed in ``path``) ``tag`` first in the record, replaced whole
+    (a reader sees the old record or the new one); a failure is logged: the resume then knows less, as before."""
+    tags = [tag, *(t for t in read_drained(job) if t != tag)][:_DRAINED_KEPT]
+    tmp = os.path.join(job, f".{JOB_DRAINED}.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(json.dumps({"drained": tags}).encode())
+        os.replace(tmp, os.path.join(job, JOB_DRAINED))
+    except OSError as exc:
+        log.warning("could not record the drain of %r in %s: %s", tag, job, exc)
+
+
+def path_down(exc: BaseException) -> bool:
+    """``path``'s storage failed to answer (connection refused, timeout, 5xx, as ``storage`` translates them):
+    no answer about a checkpoint, unlike "not found", a file where a folder goes, or a checkpoint's own error."""
+    wrong = (FileNotFoundError, NotADirectoryError, IsADirectoryError, CheckpointError)
+    return isinstance(exc, OSError) and not isinstance(exc, wrong)
 
 
 class _Budget:
@@ -285,6 +320,8 @@ def drain(
             req.tag,
         )
     tier.memory.durable = max(tier.memory.durable or 0, tier.seq if retry is None else retry.seq)
+    if tier.nodes.is_leader:
+        _note_drained(tier.job, req.tag)
     breq = dataclasses.replace(req, process_group=group)
     publish_newest(breq, dctx, manifest.extra)  # its roll-back record: the root's copy (catalog.root)
     log.info(

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from smpckpt.api._dist import DistContext
+from smpckpt.api._drain import path_down, read_drained
 from smpckpt.api._resume import (
     ResumeRequest,
     Target,
@@ -48,7 +49,7 @@ from smpckpt.api._tiers import (
     runs_of,
     tier_seq,
 )
-from smpckpt.catalog.root import partial_dirname
+from smpckpt.catalog.root import partial_dirname, partial_url
 from smpckpt.errors import (
     LOADED_IN_PLACE,
     CheckpointError,
@@ -60,7 +61,7 @@ from smpckpt.errors import (
     loaded_in_place,
 )
 from smpckpt.planners import ParallelLoadPlanner
-from smpckpt.storage import Manifest
+from smpckpt.storage import Manifest, probe_checkpoint
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs, read_bytes_or_none
 from smpckpt.storage.format.manifest import MANIFEST_NAME
@@ -122,11 +123,25 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
 
     def durable_target() -> Target | None:
         try:
-            return resolve_target(req.root, req.tag, req.storage_options, warn=False)  # said if it loads
+            target = resolve_target(req.root, req.tag, req.storage_options, warn=False)  # said if it loads
         except CheckpointNotFound:
             if not complete or req.tag is None:
                 raise
             return None  # the tag asked for is uncommitted in path (a drain that did not finish)
+        except OSError as exc:  # path's outage (tiers68 F3): the fast tier's copy only when asked for by tag
+            if not path_down(exc) or not complete:
+                raise
+            if req.tag is None:  # path may hold a newer checkpoint than the fast tier's: not guessed
+                raise CheckpointError(
+                    f"path {req.root} is unreachable ({exc}): it may hold a checkpoint newer than the fast tier's "
+                    f"newest complete one, {complete[0].tag!r}; pass tag={complete[0].tag!r} to resume it from the "
+                    "fast tier"
+                ) from exc
+            _warn_on(ctx, f"path {req.root} is unreachable ({exc}): resuming {req.tag!r} from the fast tier", 7)
+            return None
+        if req.tag is None and complete and (target is None or complete[0].order >= target.order):
+            _refuse_emptied(req, job, target, complete[0].tag)
+        return target
 
     durable = ctx.on_coordinator(durable_target)
     if durable is None and found and not complete and not req.opts.missing_ok:
@@ -145,6 +160,22 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
     # copy's manifest, so it ties and the fast copy is taken), for tag=... too: a tag saved again in `path`
     # (overwrite=True by a job without this fast tier) leaves an older save of that tag in the fast tier
     return TierChoice(nodes, job, streams, tuple(usable_saves(found, durable, req.tag)), durable)
+
+
+def _refuse_emptied(req: ResumeRequest, job: str, durable: Target | None, newest: str) -> None:
+    """(rank 0) Refuse the fast tier's ``newest`` when ``path`` holds none of the drains its job folder
+    recorded (tiers68 F2: an emptied path, a new run's, resumed the old run's copies silently)."""
+    drained = read_drained(job)
+    if not drained or (durable is not None and durable.tag in drained):
+        return
+    if any(probe_checkpoint(partial_url(req.root, t), req.storage_options).state == "committed" for t in drained):
+        return
+    raise CheckpointNotFound(
+        f"path {req.root} holds none of the checkpoints this fast tier's job drained there "
+        f"({', '.join(map(repr, drained[:3]))}; emptied, or a new run on the same path?), while its fast-tier "
+        f"folder ({job} on node 0, {os.path.basename(job)} in every node's local_path) holds {newest!r}: remove "
+        f"that folder on every node to start fresh, or pass tag={newest!r} to resume the fast copy knowingly"
+    )
 
 
 def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | None) -> list[FastCandidate]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from smpckpt.api._async import GlooGroups, Lane, wait_logged
 from smpckpt.api._dist import DistContext, peer_failures
-from smpckpt.api._drain import drain
+from smpckpt.api._drain import drain, path_down, read_drained
 from smpckpt.api._fast_resume import Loaded, choose_tier, lineage_for, load_tiered, runs_for
 from smpckpt.api._resume import ResumeRequest
 from smpckpt.api._save import SaveRequest, run_save
@@ -205,12 +205,27 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")
 
     def decide() -> tuple[int, int, FastCandidate | None, tuple[str, ...], tuple[int, ...], tuple[Any, Any]]:
-        if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
-            raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
         # the fast tiers' copies are numbered too (catalog.root): this save is numbered after them
         copies = [c.order[0] for view in views for c in view.values() if c.digest is not None]
         part.counter.saw(max(copies, default=0))
-        drained = memory.durable_seq(req.root, req.storage_options)
+        try:
+            if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
+                raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
+            drained, part.counter.offline = memory.durable_seq(req.root, req.storage_options), False
+        except OSError as exc:
+            if not path_down(exc):
+                raise
+            # path's outage (tiers68 F3): the fast tier keeps the job checkpointing. The tag is checked when
+            # it drains (_drain refuses a committed one); numbered after what the job saw, path listed later
+            said = (
+                f"path {req.root} is unreachable ({exc}): checkpoint {req.tag!r} is saved to the fast tier "
+                "only; its tag is checked against path when it drains"
+            )
+            log.warning(said)
+            warnings.warn(said, stacklevel=4)
+            # as known, else as node 0 recorded its drains (else retention warns they "never reached" path)
+            recorded = {c.seq for c in candidates(views) if c.tag in read_drained(job)}
+            drained, part.counter.offline = memory.durable or max(recorded, default=0), True
         seq = 1 + max(tier_seq(views), drained)
         with memory.lock:  # a drain of this Checkpointer still copying it is not pending: it is running
             running = set(memory.held)
@@ -224,7 +239,12 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
             *([(memory.back_to[1] + 1, 2**62)] if memory.fresh and memory.back_to[1] else []),
         )
         tags = {c.order[0]: c.tag for c in candidates(views)} | {memory.back_to[1]: memory.back_to[0]}
-        retry = None if seq % opts.durable_every == 0 else _retry_of(req, pending, (seq, lineage, runs[0]), back, tags)
+        down = part.counter.offline  # no drain is retried while path is down (the due ones fail, retried)
+        retry = (
+            None
+            if down or seq % opts.durable_every == 0
+            else _retry_of(req, pending, (seq, lineage, runs[0]), back, tags)
+        )
         memory.runs, memory.passed, memory.fresh = *runs, False  # the segment stays, the save failing or not
         return seq, drained, retry, tuple(c.tag for c in due if c.tag in running), lineage, runs
 

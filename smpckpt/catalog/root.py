@@ -289,6 +289,7 @@ class SequenceCounter:
         self._parent: int | None = None  #: the number of the checkpoint resumed, until the next draw
         self.abandoned: tuple[tuple[int, int], ...] = ()  #: what this job's history abandoned (roll-backs)
         self.manifests = ManifestCache()  #: the root's committed records this job read (its listings reuse them)
+        self.offline = False  #: (a tiered save, the root unreachable) numbered from what it saw, listed later
 
     def resumed(self, seq: int, abandoned: tuple[tuple[int, int], ...]) -> None:
         """(once its state is applied) The job goes on from checkpoint ``seq`` (recording ``abandoned``; 0:
@@ -306,7 +307,7 @@ class SequenceCounter:
     def next(self) -> int:
         """(rank 0) The sequence number of a new save. The first time the root was not listed, the highest
         committed number a listing of the root finds is read first, outside the lock."""
-        if not self._listed:
+        if not self._listed and not self.offline:
             self.saw(highest_sequence(self.root, self.storage_options, self.manifests), listed=True)
         else:
             # another writer of this root in this process (a second model's Checkpointer, one beside smp's face)

@@ -350,3 +350,50 @@ def resume_killed(rank: int, world: int, base: str) -> dict[str, Any]:
         rank, world, os.path.join(drain, "fast"), os.path.join(drain, "durable"), True, None
     )
     return out
+
+
+def path_cases(rank: int, world: int, base: str, durable: str, s3: str, up: Any, down: Any) -> dict[str, Any]:
+    """(test_tiers_path.py) ``durable`` emptied after two drains, and the S3 root ``s3`` unreachable (``down``:
+    its options at a dead endpoint): what every rank gets."""
+    from torch import nn
+
+    from smpckpt import FastTier, Location, ResumeOptions
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    fast = FastTier(local_path=node_dir(base, rank), replicas=2)
+    torch.manual_seed(1)
+    model, out = nn.Linear(4, 4), {}
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fn()
+            out[name] = ("ok", [str(w.message) for w in caught if "unreachable" in str(w.message)])
+        except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+            out[name] = ("error", f"{type(exc).__name__}: {exc}")
+
+    for tag in ("a1", "a2"):
+        save_checkpoint(durable, tag, model=model, options=fast)
+    wait_for_saves()
+    if rank == 0:
+        shutil.rmtree(durable)
+    dist.barrier()
+    attempt(
+        "emptied",
+        lambda: resume_from_checkpoint(durable, model=nn.Linear(4, 4), options=[fast, ResumeOptions(missing_ok=True)]),
+    )
+    later = FastTier(local_path=node_dir(base, rank), replicas=2, durable_every=3)
+    save_checkpoint(Location(s3, storage_options=up), "b1", model=model, options=later)
+    attempt("save_down", lambda: save_checkpoint(Location(s3, storage_options=down), "b2", model=model, options=later))
+    attempt(
+        "resume_down",
+        lambda: resume_from_checkpoint(Location(s3, storage_options=down), model=nn.Linear(4, 4), options=fast),
+    )
+    got = nn.Linear(4, 4)
+    attempt(
+        "tag_down",
+        lambda: resume_from_checkpoint(Location(s3, storage_options=down), tag="b2", model=got, options=fast),
+    )
+    out["exact"] = all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), model.state_dict().values()))
+    return out

@@ -1,0 +1,184 @@
+"""The fast tier and ``path``'s state: an emptied ``path`` (a new run must not resume the old run's fast
+copies silently) and an unreachable one (an object store's outage: the fast tier goes on)."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import s3fs
+import tier_workers
+from dist_harness import run_world
+from s3_env import free_port
+from tier_helpers import job as _job
+from tier_helpers import linear as _linear
+from tier_helpers import same as _same
+
+from smpckpt import (
+    CheckpointError,
+    CheckpointNotFound,
+    FastTier,
+    Location,
+    ResumeOptions,
+    last_resume_info,
+    resume_from_checkpoint,
+    save_checkpoint,
+    wait_for_saves,
+)
+from smpckpt.api._tiers import durable_key, job_folder
+
+
+def test_an_emptied_path_refuses_the_old_runs_fast_copies_by_name(tmp_path: Path) -> None:
+    """tiers68 F2: ``rm -rf path`` and a new run on the same path and local_path loaded the old run's newest
+    fast copy silently (the job folder is keyed by path alone). Its drains are recorded in the job folder:
+    path holding none of them is refused, naming both ways on; ``tag=`` loads the fast copy knowingly."""
+    durable, fast = tmp_path / "durable", tmp_path / "fast"
+    old = _linear(1)
+    for s in (1, 2):
+        save_checkpoint(durable, f"s{s}", model=old, options=FastTier(local_path=str(fast), replicas=1))
+    wait_for_saves()
+    shutil.rmtree(durable)
+    opts = [FastTier(local_path=str(fast)), ResumeOptions(missing_ok=True)]
+    with pytest.raises(CheckpointNotFound) as got:
+        resume_from_checkpoint(durable, model=_linear(9), options=opts)
+    said = str(got.value)
+    for part in (str(durable), str(_job(fast, durable)), "'s2'", "remove", "tag="):
+        assert part in said, (part, said)
+    new = _linear(9)
+    resume_from_checkpoint(durable, tag="s2", model=new, options=FastTier(local_path=str(fast)))
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s2", "fast") and _same(new, old)
+
+
+def test_a_restart_with_path_intact_or_never_drained_resumes_the_fast_tier(tmp_path: Path) -> None:
+    """Not the emptied case: path holds the recorded drain (s2; s3 newer, in the fast tier only), or no drain
+    was due yet (durable_every=5: path empty, nothing recorded)."""
+    durable, fast, fresh = tmp_path / "durable", tmp_path / "fast", tmp_path / "fresh"
+    m3 = _linear(3)
+    for s in (1, 2, 3):
+        save_checkpoint(
+            durable,
+            f"s{s}",
+            model=_linear(s) if s < 3 else m3,
+            options=FastTier(local_path=str(fast), replicas=1, durable_every=2),
+        )
+    save_checkpoint(
+        tmp_path / "other", "a1", model=m3, options=FastTier(local_path=str(fresh), replicas=1, durable_every=5)
+    )
+    wait_for_saves()
+    for root, local in ((durable, fast), (tmp_path / "other", fresh)):
+        got = _linear(9)
+        resume_from_checkpoint(root, model=got, options=FastTier(local_path=str(local)))
+        info = last_resume_info()
+        assert info is not None and info.tier == "fast" and _same(got, m3)
+
+
+def _down(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` pointing at a port nobody listens on, one attempt each: the same root, unreachable (the
+    job folder's key is the root without its endpoint)."""
+    cfg = {**options["config_kwargs"], "retries": {"max_attempts": 1, "mode": "standard"}}
+    client = {**options["client_kwargs"], "endpoint_url": f"http://127.0.0.1:{free_port()}"}
+    return {**options, "client_kwargs": client, "config_kwargs": cfg}
+
+
+def test_while_path_is_unreachable_saves_go_to_the_fast_tier(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """tiers68 F3: with path's endpoint down, a save not due for path failed on its probe of path, and a
+    resume on path's listing even with tag=. Now the save goes on (warned, naming path), resume(tag=)
+    loads the fast copy (warned), resume() refuses naming the fast tier's newest (path may hold newer)."""
+    root, options = s3_root
+    fast, down = str(tmp_path / "fast"), _down(options)
+    assert durable_key(root, down) == durable_key(root, options)
+    m1, m3 = _linear(1), _linear(3)
+    for tag in ("s1", "s2"):
+        save_checkpoint(
+            Location(root, storage_options=options),
+            tag,
+            model=m1,
+            options=FastTier(local_path=fast, replicas=1, durable_every=2),
+        )
+    wait_for_saves()
+    with pytest.warns(UserWarning, match=f"{root}.*unreachable.*Connect"):
+        save_checkpoint(
+            Location(root, storage_options=down),
+            "s3",
+            model=m3,
+            options=FastTier(local_path=fast, replicas=1, durable_every=2),
+        )
+    with pytest.raises(CheckpointError, match=f"{root}.*unreachable.*Connect.*'s3'.*tag="):
+        resume_from_checkpoint(
+            Location(root, storage_options=down), model=_linear(9), options=FastTier(local_path=fast)
+        )
+    got = _linear(9)
+    with pytest.warns(UserWarning, match=f"{root}.*unreachable"):
+        resume_from_checkpoint(
+            Location(root, storage_options=down), tag="s3", model=got, options=FastTier(local_path=fast)
+        )
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s3", "fast") and _same(got, m3)
+    # path back: the next due save drains, numbered after s3
+    save_checkpoint(
+        Location(root, storage_options=options),
+        "s4",
+        model=m3,
+        options=FastTier(local_path=fast, replicas=1, durable_every=2),
+    )
+    wait_for_saves()
+    got = _linear(9)
+    resume_from_checkpoint(
+        Location(root, storage_options=options), model=got, options=FastTier(local_path=str(tmp_path / "empty"))
+    )
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s4", "durable") and _same(got, m3)
+
+
+def test_a_save_past_the_outage_never_drains_over_a_committed_tag(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """The tag check skipped while path was down happens at the drain: a tag path holds committed (another
+    writer's) is never drained over; path's copy stays as it was."""
+    root, options = s3_root
+    fast, down = str(tmp_path / "fast"), _down(options)
+    save_checkpoint(Location(root, storage_options=options), "x", model=_linear(1))  # without the fast tier
+    fs = s3fs.S3FileSystem(**options)
+    key = f"{root[len('s3://') :]}/x_partial/smpckpt.manifest.json"
+    before = fs.cat(key)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_checkpoint(
+            Location(root, storage_options=down), "x", model=_linear(2), options=FastTier(local_path=fast, replicas=1)
+        )
+        with pytest.raises(CheckpointError, match="draining checkpoint 'x'"):
+            wait_for_saves()
+        with pytest.warns(UserWarning, match="'x'.*cannot be drained.*x_partial holds another checkpoint"):
+            save_checkpoint(
+                Location(root, storage_options=options),
+                "y",
+                model=_linear(3),
+                options=FastTier(local_path=fast, replicas=1, durable_every=3),
+            )
+        wait_for_saves()
+    s3fs.S3FileSystem.clear_instance_cache()
+    assert s3fs.S3FileSystem(**options).cat(key) == before
+    assert (Path(job_folder(fast, durable_key(root, options))) / "x_partial").is_dir()
+
+
+def test_every_rank_gets_the_same_answer_on_two_nodes(s3_root: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    """4 ranks on 2 nodes (replicas=2): the emptied path refused on every rank by the same text; with path
+    unreachable the save goes on, resume() refuses and resume(tag=) loads, alike on every rank, no hang."""
+    root, options = s3_root
+    got = run_world(
+        tier_workers.path_cases, 4, str(tmp_path / "fast"), str(tmp_path / "durable"), root, options, _down(options)
+    )
+    for key in ("emptied", "resume_down"):  # rank 0 decides, every rank raises its text
+        said = [(r[key][0], r[key][1].replace("rank 0 failed: ", "")) for r in got]
+        assert all(s == said[0] for s in said), said
+    for r in got:
+        assert r["emptied"][0] == "error" and "CheckpointNotFound" in r["emptied"][1] and "'a2'" in r["emptied"][1]
+        assert r["save_down"][0] == "ok" and r["tag_down"][0] == "ok" and r["exact"]
+        assert r["resume_down"][0] == "error" and "'b2'" in r["resume_down"][1] and root in r["resume_down"][1]
+    assert got[0]["save_down"][1] and got[0]["tag_down"][1]  # warned on rank 0, naming path

@@ -44,6 +44,14 @@ def test_s3fs_translations_without_the_key_are_named() -> None:
     assert got.strerror == "We encountered an internal error." and got.__cause__ is s3fs_style
 
 
+def test_s3fs_412_translation_without_an_errno_is_named() -> None:
+    """s3fs makes a refused ``If-None-Match: *`` a ``FileExistsError(message)``, without errno or key."""
+    s3fs_style = FileExistsError("At least one of the pre-conditions you specified did not hold")
+    got = translate(s3fs_style, "bkt/ck/a")
+    assert type(got) is FileExistsError and got.filename == "bkt/ck/a" and got.errno == errno.EEXIST, repr(got)
+    assert got.__cause__ is s3fs_style
+
+
 def test_ours_and_named_errors_and_others_pass_untouched() -> None:
     for exc in (CheckpointCorrupt("x"), FileNotFoundError(errno.ENOENT, "gone", "/a"), ValueError("v")):
         assert translate(exc, "/b") is exc

@@ -44,12 +44,20 @@ def test_s3fs_translations_without_the_key_are_named() -> None:
     assert got.strerror == "We encountered an internal error." and got.__cause__ is s3fs_style
 
 
-def test_s3fs_412_translation_without_an_errno_is_named() -> None:
-    """s3fs makes a refused ``If-None-Match: *`` a ``FileExistsError(message)``, without errno or key."""
-    s3fs_style = FileExistsError("At least one of the pre-conditions you specified did not hold")
+@pytest.mark.parametrize(
+    "s3fs_style, num",
+    [
+        (FileExistsError("At least one of the pre-conditions you specified did not hold"), errno.EEXIST),
+        (PermissionError("Access Denied"), errno.EACCES),
+        (PermissionError("The provided token has expired."), errno.EACCES),
+    ],
+)
+def test_s3fs_translations_without_an_errno_are_named(s3fs_style: OSError, num: int) -> None:
+    """s3fs makes a refused ``If-None-Match: *``, AccessDenied and ExpiredToken ``FileExistsError(message)`` and
+    ``PermissionError(message)``, without errno or key: a save denied its commit's LIST named nothing."""
     got = translate(s3fs_style, "bkt/ck/a")
-    assert type(got) is FileExistsError and got.filename == "bkt/ck/a" and got.errno == errno.EEXIST, repr(got)
-    assert got.__cause__ is s3fs_style
+    assert type(got) is type(s3fs_style) and got.filename == "bkt/ck/a" and got.errno == num, repr(got)
+    assert got.strerror == str(s3fs_style) and got.__cause__ is s3fs_style
 
 
 def test_ours_and_named_errors_and_others_pass_untouched() -> None:

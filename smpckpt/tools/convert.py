@@ -113,16 +113,16 @@ def _save_file(fs: Any, path: str, state: dict[str, Any], *, overwrite: bool) ->
             # not ``with``: fsspec closes a file on an exception too, and an object store's close publishes
             # what was written (a Ctrl-C in torch.save left a truncated file in place of the old one on S3);
             # discard drops it (s3fs aborts the upload), and a file marked closed is not closed when collected
-            f = fs.open(path, "wb")
+            out = fs.open(path, "wb")
             try:
-                torch.save(state, f)
+                torch.save(state, out)
             except BaseException:
-                if isinstance(f, AbstractBufferedFile):  # memory:// replaced the old file at the open
+                if isinstance(out, AbstractBufferedFile):  # memory:// replaced the old file at the open
                     with contextlib.suppress(Exception):
-                        f.discard()
-                    f.closed = True
+                        out.discard()
+                    out.closed = True
                 raise
-            f.close()
+            out.close()
             return
         sink = folder.sink(name, sync=True, part_size=DEFAULT_PART_SIZE, max_parts_in_flight=4)
         try:

@@ -254,10 +254,11 @@ class S3MultipartSink:
             else:
                 if self._fill:
                     self._flush_part()
-                parts = [{"PartNumber": n, "ETag": self._result(f)} for n, f in sorted(self._parts.items())]
+                etags = [self._result(f) for _, f in sorted(self._parts.items())]
+                parts = [{"PartNumber": n, "ETag": e} for n, e in enumerate(etags, 1)]
                 try:  # S3's ETag of a multipart object: the MD5 of its parts' MD5s, then the part count
-                    md5s = b"".join(bytes.fromhex(p["ETag"].strip('"')) for p in parts)
-                    etag = f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(parts)}"
+                    md5s = b"".join(bytes.fromhex(e.strip('"')) for e in etags)
+                    etag = f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(etags)}"
                 except ValueError:  # parts' ETags that are no MD5 (SSE-KMS): no object will match
                     etag = ""
                 self._create(

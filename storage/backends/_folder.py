@@ -45,11 +45,13 @@ _MEMORY_LOCK = threading.Lock()
 
 
 def precondition(exc: BaseException) -> bool:
-    """Whether ``exc`` (translated by s3fs or not) is S3's 412 Precondition Failed."""
-    for e in (exc, exc.__cause__):
+    """Whether ``exc`` (translated by s3fs, then named by ours, or not) is S3's 412 Precondition Failed."""
+    e: BaseException | None = exc
+    for _ in range(4):  # ours <- s3fs's <- botocore's ClientError
         response = getattr(e, "response", None)
         if isinstance(response, dict) and response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
             return True
+        e = e.__cause__ if e is not None else None
     return False
 
 

@@ -410,6 +410,36 @@ def test_s3_a_data_file_whose_create_reply_was_lost_is_this_saves_own(
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize("name", ["smpckpt.writing", "n.pt"])
+def test_s3_a_full_saves_small_object_whose_create_reply_was_lost_is_its_own(
+    s3: Backend, moto_endpoint: str, name: str
+) -> None:
+    """A full save's in-progress marker (or an object value's file) lands and its reply is lost: the retry is
+    refused by the save's own object. The save failed: "another full save started writing here at the same
+    moment" (its own marker, left behind) or a FileExistsError."""
+    from storage_faulty_proxy import FaultyProxy
+
+    base, opts = s3
+    landed: list[str] = []
+
+    def fail_after(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        if method == "PUT" and path.endswith(f"/{name}") and not landed:
+            landed.append(path)
+            return 500
+        return None
+
+    sd, url = make_state(3), f"{base}/full-lost"
+    sd["n"] = 5
+    with FaultyProxy(moto_endpoint, lambda *_: None, fail_after=fail_after) as proxy:
+        dcp.save(sd, storage_writer=FullArtifactWriter(url, storage_options=_proxy_opts(opts, proxy.url, attempts=3)))
+        assert len(proxy.injected) == 1, proxy.injected
+    assert checkpoint_state(url, opts) == "committed"
+    fs, path = open_fs(url, opts)
+    assert not fs.exists(f"{path}/smpckpt.writing")
+    assert_state_equal(sd, roundtrip_load(sd, url, opts))
+
+
+@pytest.mark.s3
 def test_s3_a_data_file_refused_by_another_object_names_its_key(s3: Backend) -> None:
     from smpckpt.storage.backends._s3 import S3MultipartSink
 

@@ -224,3 +224,45 @@ def test_a_converted_checkpoint_with_pickled_user_content_is_refused_before_load
         assert torch.equal(got.weight, before)
         content = ckpt.resume("conv", got, options=smpckpt.ResumeOptions(allow_pickle=True))
     assert content["u"].x == 5 and torch.equal(got.weight, model.weight)
+
+
+@pytest.mark.s3
+def test_an_overwrite_interrupted_on_s3_leaves_the_old_file(
+    tmp_path: Path, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fsspec's ``with fs.open(path, "wb")`` closes the file on an exception too, and s3fs's close publishes
+    what was written (completes the multipart upload): a Ctrl-C in ``torch.save`` replaced the old file
+    with a truncated one."""
+    from s3_env import reset_moto, s3_options
+
+    from smpckpt.storage import open_fs
+
+    state = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: two 5 MiB parts on S3, then the cut
+    dcp.save(state, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    reset_moto(moto_endpoint, "convert")
+    opts, out = {**s3_options(moto_endpoint), "default_block_size": 5 << 20}, "s3://convert/out.pt"
+    fs, path = open_fs(out, opts)
+    old = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, old)
+    fs.pipe_file(path, old.getvalue())
+    real_save = torch.save
+
+    def interrupted(obj: object, f: io.RawIOBase) -> None:
+        class Cut(io.RawIOBase):  # Ctrl-C once 11 MiB went out
+            def writable(self) -> bool:
+                return True
+
+            def write(self, data: object) -> int:
+                if f.tell() > 11 << 20:
+                    raise KeyboardInterrupt
+                return f.write(data)
+
+        real_save(obj, Cut())
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises((KeyboardInterrupt, RuntimeError)):  # torch's zip writer, ending the file, raises its own
+        convert_checkpoint(tmp_path / "c", out, out_storage_options=opts, overwrite=True)
+    monkeypatch.undo()
+    fs.invalidate_cache()
+    assert fs.cat_file(path) == old.getvalue(), f"{out}: the old file was replaced"
+    assert not fs.call_s3("list_multipart_uploads", Bucket="convert").get("Uploads"), "an upload left open"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
@@ -12,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
+from fsspec.spec import AbstractBufferedFile
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -108,8 +110,19 @@ def _save_file(fs: Any, path: str, state: dict[str, Any], *, overwrite: bool) ->
                 folder.remove([tmp])
             return
         if overwrite:
-            with fs.open(path, "wb") as f:
-                torch.save(state, f)
+            # not ``with``: fsspec closes a file on an exception too, and an object store's close publishes
+            # what was written (a Ctrl-C in torch.save left a truncated file in place of the old one on S3);
+            # discard drops it (s3fs aborts the upload), and a file marked closed is not closed when collected
+            out = fs.open(path, "wb")
+            try:
+                torch.save(state, out)
+            except BaseException:
+                if isinstance(out, AbstractBufferedFile):  # memory:// replaced the old file at the open
+                    with contextlib.suppress(Exception):
+                        out.discard()
+                    out.closed = True
+                raise
+            out.close()
             return
         sink = folder.sink(name, sync=True, part_size=DEFAULT_PART_SIZE, max_parts_in_flight=4)
         try:

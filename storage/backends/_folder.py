@@ -45,11 +45,13 @@ _MEMORY_LOCK = threading.Lock()
 
 
 def precondition(exc: BaseException) -> bool:
-    """Whether ``exc`` (translated by s3fs or not) is S3's 412 Precondition Failed."""
-    for e in (exc, exc.__cause__):
+    """Whether ``exc`` (translated by s3fs, then named by ours, or not) is S3's 412 Precondition Failed."""
+    e: BaseException | None = exc
+    for _ in range(4):  # ours <- s3fs's <- botocore's ClientError
         response = getattr(e, "response", None)
         if isinstance(response, dict) and response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
             return True
+        e = e.__cause__ if e is not None else None
     return False
 
 
@@ -158,8 +160,17 @@ class Folder:
                 dir_fd, base = self._at(name, create_dirs=True)
                 nf.create_at(dir_fd, base, data, sync=sync, where=where)
             elif self.s3:
+                from smpckpt.storage.backends._s3 import get_object
+
                 bucket, key, _ = self.fs.split_path(where)
-                self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=bytes(data), IfNoneMatch="*")
+                try:
+                    self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=bytes(data), IfNoneMatch="*")
+                except FileExistsError:
+                    # a PUT that landed, its reply lost, is refused on its retry by itself: the same bytes are
+                    # this call's (every create-only object's bytes name their save: its id, a removal's nonce;
+                    # a full artifact's fixed-name files are written behind the save's own marker)
+                    if get_object(self.fs, where) != bytes(data):
+                        raise
                 self.fs.invalidate_cache(where)
             else:
                 with _MEMORY_LOCK if _protocol(self.fs) == "memory" else contextlib.nullcontext():

@@ -64,7 +64,8 @@ def translate(exc: BaseException, path: str) -> BaseException:
 
         return _named(translate_boto_error(exc), path, cause=exc)
     if isinstance(exc, OSError):
-        if exc.filename is None and exc.errno is not None and path and type(exc).__module__ == "builtins":
+        known = exc.errno is not None or type(exc) in _ERRNO  # s3fs's AccessDenied, ExpiredToken, 412: no errno
+        if exc.filename is None and known and path and type(exc).__module__ == "builtins":
             return _named(exc, path, cause=exc)  # s3fs's translation without the key
         return exc
     if type(exc).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp", "s3fs"):

@@ -23,6 +23,7 @@ import collections
 import concurrent.futures
 import contextlib
 import errno
+import hashlib
 import inspect
 import itertools
 import re
@@ -246,22 +247,43 @@ class S3MultipartSink:
         try:
             if self._upload_id is None:
                 body, _ = self._take_part()
-                self._call("put_object", Body=body if len(body) else b"", IfNoneMatch="*")
+                digest = hashlib.md5(usedforsecurity=False)
+                for view in body._parts:
+                    digest.update(view)
+                self._create("put_object", digest.hexdigest(), Body=body if len(body) else b"")
             else:
                 if self._fill:
                     self._flush_part()
-                parts = [{"PartNumber": n, "ETag": self._result(f)} for n, f in sorted(self._parts.items())]
-                self._call(
-                    "complete_multipart_upload",
-                    UploadId=self._upload_id,
-                    MultipartUpload={"Parts": parts},
-                    IfNoneMatch="*",
+                etags = [self._result(f) for _, f in sorted(self._parts.items())]
+                parts = [{"PartNumber": n, "ETag": e} for n, e in enumerate(etags, 1)]
+                try:  # S3's ETag of a multipart object: the MD5 of its parts' MD5s, then the part count
+                    md5s = b"".join(bytes.fromhex(e.strip('"')) for e in etags)
+                    etag = f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(etags)}"
+                except ValueError:  # parts' ETags that are no MD5 (SSE-KMS): no object will match
+                    etag = ""
+                self._create(
+                    "complete_multipart_upload", etag, UploadId=self._upload_id, MultipartUpload={"Parts": parts}
                 )
         except BaseException:
             self.abort()
             raise
         self._done = True
         self._release()
+
+    def _create(self, method: str, etag: str, **kwargs: Any) -> None:
+        """``method`` with ``If-None-Match: *``. Refused (412) by an object under the key: another's, or this
+        request's own when it landed and its reply was lost, the retry refused by it (the object's ETag is
+        the one this upload makes); another's is a ``FileExistsError`` naming the key."""
+        from smpckpt.storage.backends._folder import precondition
+
+        try:
+            self._call(method, IfNoneMatch="*", **kwargs)
+        except OSError as exc:
+            if not precondition(exc):
+                raise
+            found = self._call("head_object").get("ETag")
+            if not etag or str(found).strip('"') != etag:
+                raise FileExistsError(errno.EEXIST, "another object is under this key", self.path) from exc
 
     def _result(self, fut: concurrent.futures.Future[str]) -> str:
         with translate_errors(self.path):

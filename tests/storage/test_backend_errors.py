@@ -44,6 +44,22 @@ def test_s3fs_translations_without_the_key_are_named() -> None:
     assert got.strerror == "We encountered an internal error." and got.__cause__ is s3fs_style
 
 
+@pytest.mark.parametrize(
+    "s3fs_style, num",
+    [
+        (FileExistsError("At least one of the pre-conditions you specified did not hold"), errno.EEXIST),
+        (PermissionError("Access Denied"), errno.EACCES),
+        (PermissionError("The provided token has expired."), errno.EACCES),
+    ],
+)
+def test_s3fs_translations_without_an_errno_are_named(s3fs_style: OSError, num: int) -> None:
+    """s3fs makes a refused ``If-None-Match: *``, AccessDenied and ExpiredToken ``FileExistsError(message)`` and
+    ``PermissionError(message)``, without errno or key: a save denied its commit's LIST named nothing."""
+    got = translate(s3fs_style, "bkt/ck/a")
+    assert type(got) is type(s3fs_style) and got.filename == "bkt/ck/a" and got.errno == num, repr(got)
+    assert got.strerror == str(s3fs_style) and got.__cause__ is s3fs_style
+
+
 def test_ours_and_named_errors_and_others_pass_untouched() -> None:
     for exc in (CheckpointCorrupt("x"), FileNotFoundError(errno.ENOENT, "gone", "/a"), ValueError("v")):
         assert translate(exc, "/b") is exc
@@ -54,3 +70,32 @@ def test_transport_errors_become_oserror() -> None:
     got = translate(exc, "bkt/x")
     assert type(got) is OSError and got.errno == errno.EIO and got.filename == "bkt/x" and got.__cause__ is exc
     assert str(got.strerror).startswith("EndpointConnectionError: ")
+
+
+@pytest.mark.s3
+def test_a_replacement_refused_by_if_match_on_s3_says_another_save_replaced_it(
+    s3: tuple[str, dict[str, object]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer lands between ``replace_if``'s read and its ``If-Match`` PUT: the 412 arrives named by us
+    over s3fs's translation over botocore's error, and ``precondition`` looked one cause deep: an
+    ``OSError(EINVAL)`` instead of the ``FileExistsError`` the commit turns into "another save committed"."""
+    from smpckpt.storage import open_fs
+    from smpckpt.storage.backends import _s3
+    from smpckpt.storage.backends._folder import Folder
+
+    base, opts = s3
+    fs, path = open_fs(f"{base}/ck", opts)
+    fs.pipe_file(f"{path}/smpckpt.manifest.json", b"A")
+    real = _s3.get_object_and_etag
+
+    def read_then_overtaken(fs_: object, where: str) -> tuple[bytes, str]:
+        got = real(fs_, where)
+        fs.pipe_file(where, b"B")  # the other save's manifest lands right after this read
+        return got
+
+    monkeypatch.setattr(_s3, "get_object_and_etag", read_then_overtaken)
+    with Folder(fs, path, create=False, follow=True) as folder:
+        with pytest.raises(FileExistsError, match="another save replaced it meanwhile"):
+            folder.replace_if("smpckpt.manifest.json", b"C", b"A", sync=True)
+    monkeypatch.undo()
+    assert fs.cat_file(f"{path}/smpckpt.manifest.json") == b"B"

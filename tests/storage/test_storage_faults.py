@@ -382,6 +382,80 @@ def test_s3_a_commit_whose_reply_was_lost_is_committed(s3: Backend, moto_endpoin
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize("request_lost", ["put", "complete"])
+def test_s3_a_data_file_whose_create_reply_was_lost_is_this_saves_own(
+    s3: Backend, moto_endpoint: str, request_lost: str
+) -> None:
+    """A data file's create-only PUT (or multipart completion) lands and its reply is lost: the retry is refused
+    (412) by the save's own object. The save failed, on a transient error, with a FileExistsError naming no key."""
+    from storage_faulty_proxy import FaultyProxy
+
+    base, opts = s3
+    landed: list[str] = []
+
+    def fail_after(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        put = method == "PUT" and "partNumber" not in query
+        if path.endswith(".distcp") and not landed and (put if request_lost == "put" else "uploadId" in query):
+            landed.append(path)
+            return 500
+        return None
+
+    sd, url = _big_state(), f"{base}/lost-{request_lost}"
+    with FaultyProxy(moto_endpoint, lambda *_: None, fail_after=fail_after) as proxy:
+        popts = _proxy_opts(opts, proxy.url, attempts=3)
+        dcp.save(sd, storage_writer=FsspecStorageWriter(url, storage_options=popts, part_size=16 << 20))
+        assert len(proxy.injected) == 1, proxy.injected
+    assert checkpoint_state(url, opts) == "committed"
+    assert_state_equal(sd, roundtrip_load(sd, url, opts))
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("name", ["smpckpt.writing", "n.pt"])
+def test_s3_a_full_saves_small_object_whose_create_reply_was_lost_is_its_own(
+    s3: Backend, moto_endpoint: str, name: str
+) -> None:
+    """A full save's in-progress marker (or an object value's file) lands and its reply is lost: the retry is
+    refused by the save's own object. The save failed: "another full save started writing here at the same
+    moment" (its own marker, left behind) or a FileExistsError."""
+    from storage_faulty_proxy import FaultyProxy
+
+    base, opts = s3
+    landed: list[str] = []
+
+    def fail_after(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        if method == "PUT" and path.endswith(f"/{name}") and not landed:
+            landed.append(path)
+            return 500
+        return None
+
+    sd, url = make_state(3), f"{base}/full-lost"
+    sd["n"] = 5
+    with FaultyProxy(moto_endpoint, lambda *_: None, fail_after=fail_after) as proxy:
+        dcp.save(sd, storage_writer=FullArtifactWriter(url, storage_options=_proxy_opts(opts, proxy.url, attempts=3)))
+        assert len(proxy.injected) == 1, proxy.injected
+    assert checkpoint_state(url, opts) == "committed"
+    fs, path = open_fs(url, opts)
+    assert not fs.exists(f"{path}/smpckpt.writing")
+    assert_state_equal(sd, roundtrip_load(sd, url, opts))
+
+
+@pytest.mark.s3
+def test_s3_a_data_file_refused_by_another_object_names_its_key(s3: Backend) -> None:
+    from smpckpt.storage.backends._s3 import S3MultipartSink
+
+    base, opts = s3
+    fs, path = open_fs(f"{base}/taken.distcp", opts)
+    fs.pipe_file(path, b"another save's")
+    for size in (1 << 20, 11 << 20):  # one PutObject; a multipart upload of 5 MiB parts
+        sink = S3MultipartSink(fs, path, part_size=5 << 20, max_in_flight=2)
+        sink.write(memoryview(bytes(size)))
+        with pytest.raises(FileExistsError) as info:
+            sink.commit()
+        assert info.value.filename == path, repr(info.value)
+    assert fs.cat_file(path) == b"another save's"
+
+
+@pytest.mark.s3
 def test_s3_a_commit_whose_removal_check_fails_says_it_may_be_committed(s3: Backend, moto_endpoint: str) -> None:
     """hunt64b F3: the manifest PUT lands, then S3 goes down for the commit's GET of the removal mark: the save
     failed with a bare OSError naming ``smpckpt.removing`` though it was committed (its retry under the tag then

@@ -247,22 +247,29 @@ class S3MultipartSink:
         try:
             if self._upload_id is None:
                 body, _ = self._take_part()
-                digest = hashlib.md5(usedforsecurity=False)
-                for view in body._parts:
-                    digest.update(view)
-                self._create("put_object", digest.hexdigest(), Body=body if len(body) else b"")
+
+                def body_md5() -> str:  # only when the PUT was refused: no pass over every file's bytes
+                    digest = hashlib.md5(usedforsecurity=False)
+                    for view in body._parts:
+                        digest.update(view)
+                    return digest.hexdigest()
+
+                self._create("put_object", body_md5, Body=body if len(body) else b"")
             else:
                 if self._fill:
                     self._flush_part()
                 etags = [self._result(f) for _, f in sorted(self._parts.items())]
                 parts = [{"PartNumber": n, "ETag": e} for n, e in enumerate(etags, 1)]
-                try:  # S3's ETag of a multipart object: the MD5 of its parts' MD5s, then the part count
-                    md5s = b"".join(bytes.fromhex(e.strip('"')) for e in etags)
-                    etag = f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(etags)}"
-                except ValueError:  # parts' ETags that are no MD5 (SSE-KMS): no object will match
-                    etag = ""
+
+                def parts_etag() -> str:  # S3's ETag of a multipart object: the MD5 of its parts' MD5s, the count
+                    try:
+                        md5s = b"".join(bytes.fromhex(e.strip('"')) for e in etags)
+                    except ValueError:  # parts' ETags that are no MD5 (SSE-KMS): no object will match
+                        return ""
+                    return f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(etags)}"
+
                 self._create(
-                    "complete_multipart_upload", etag, UploadId=self._upload_id, MultipartUpload={"Parts": parts}
+                    "complete_multipart_upload", parts_etag, UploadId=self._upload_id, MultipartUpload={"Parts": parts}
                 )
         except BaseException:
             self.abort()
@@ -270,7 +277,7 @@ class S3MultipartSink:
         self._done = True
         self._release()
 
-    def _create(self, method: str, etag: str, **kwargs: Any) -> None:
+    def _create(self, method: str, etag: Callable[[], str], **kwargs: Any) -> None:
         """``method`` with ``If-None-Match: *``. Refused (412) by an object under the key: another's, or this
         request's own when it landed and its reply was lost, the retry refused by it (the object's ETag is
         the one this upload makes); another's is a ``FileExistsError`` naming the key."""
@@ -281,8 +288,8 @@ class S3MultipartSink:
         except OSError as exc:
             if not precondition(exc):
                 raise
-            found = self._call("head_object").get("ETag")
-            if not etag or str(found).strip('"') != etag:
+            found, ours = self._call("head_object").get("ETag"), etag()
+            if not ours or str(found).strip('"') != ours:
                 raise FileExistsError(errno.EEXIST, "another object is under this key", self.path) from exc
 
     def _result(self, fut: concurrent.futures.Future[str]) -> str:

@@ -267,9 +267,9 @@ class Folder:
             except OSError as exc:
                 if replace or exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
                     raise
-                # no hard links here (some FUSE mounts): create-only in place (a crash mid-write leaves a
-                # torn file, which readers refuse as a corrupt manifest)
-                nf.create_at(dir_fd, base, data, sync=sync, where=where)
+                # no hard links here (some FUSE mounts): the whole temporary renamed into place, replacing
+                # nothing (created in place, a kill before its write left an empty manifest blocking the tag)
+                nf.rename_noreplace(dir_fd, tmp, dir_fd, base)
             finally:
                 drop_temp(dir_fd, tmp, where)
             if sync:

@@ -224,3 +224,21 @@ def test_a_converted_checkpoint_with_pickled_user_content_is_refused_before_load
         assert torch.equal(got.weight, before)
         content = ckpt.resume("conv", got, options=smpckpt.ResumeOptions(allow_pickle=True))
     assert content["u"].x == 5 and torch.equal(got.weight, model.weight)
+
+
+def test_conversion_to_one_file_works_where_the_filesystem_has_no_hard_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saves commit on a filesystem without hard links (``link`` refused with EPERM: some FUSE mounts); the
+    conversion's file was linked into place with no way round, so it failed with ``PermissionError``."""
+    full = _save_tp2(tmp_path / "ckpt")
+
+    def no_link(*args: object, **kwargs: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr("os.link", no_link)
+    convert_checkpoint(tmp_path / "ckpt", tmp_path / "full.pt")
+    assert torch.equal(torch.load(tmp_path / "full.pt", weights_only=True)["model"]["fc"]["weight"], full["fc"])
+    with pytest.raises(FileExistsError, match="full.pt"):  # still create-only
+        convert_checkpoint(tmp_path / "ckpt", tmp_path / "full.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "full.pt"]  # no temporary left

@@ -266,3 +266,21 @@ def test_an_overwrite_interrupted_on_s3_leaves_the_old_file(
     fs.invalidate_cache()
     assert fs.cat_file(path) == old.getvalue(), f"{out}: the old file was replaced"
     assert not fs.call_s3("list_multipart_uploads", Bucket="convert").get("Uploads"), "an upload left open"
+
+
+def test_conversion_to_one_file_works_where_the_filesystem_has_no_hard_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saves commit on a filesystem without hard links (``link`` refused with EPERM: some FUSE mounts); the
+    conversion's file was linked into place with no way round, so it failed with ``PermissionError``."""
+    full = _save_tp2(tmp_path / "ckpt")
+
+    def no_link(*args: object, **kwargs: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr("os.link", no_link)
+    convert_checkpoint(tmp_path / "ckpt", tmp_path / "full.pt")
+    assert torch.equal(torch.load(tmp_path / "full.pt", weights_only=True)["model"]["fc"]["weight"], full["fc"])
+    with pytest.raises(FileExistsError, match="full.pt"):  # still create-only
+        convert_checkpoint(tmp_path / "ckpt", tmp_path / "full.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "full.pt"]  # no temporary left

@@ -53,6 +53,7 @@ from smpckpt.api._resume import (
 )
 from smpckpt.api.options import ExportOptions, Retention, SaveOptions
 from smpckpt.catalog.root import (
+    ABANDONED_NAME,
     NEWEST_NAME,
     SEQUENCE_KEY,
     ManifestCache,
@@ -284,8 +285,8 @@ class PlannerCache:
 # rank reads only its shards' bytes of an artifact or a plain Hugging Face folder, then ``set_state_dict``)
 def full_url(root: str, tag: str) -> str:
     """``{root}/{tag}``: the folder of a full checkpoint (``tag`` validated at the caller's edge)."""
-    if tag == NEWEST_NAME:
-        raise ValueError(f"{tag!r} cannot name a full checkpoint: {{path}}/{tag} is the pointer file of partial ones")
+    if tag in (NEWEST_NAME, ABANDONED_NAME):  # the root's own files (a roll-back's record: README, "The Checkpointer")
+        raise ValueError(f"{tag!r} cannot name a full checkpoint: {{path}}/{tag} is a file of the root's partial ones")
     return join_url(root, tag)
 
 

@@ -67,6 +67,18 @@ def drop_temp(dir_fd: int, tmp: str, where: str) -> None:
         log.warning("could not remove the temporary file %s: %s", join(where.rpartition("/")[0], tmp), exc)
 
 
+def _link_or_rename(dir_fd: int, tmp: str, base: str) -> None:
+    """Give the temporary ``tmp`` the name ``base`` only if nothing is there (``FileExistsError``): a hard link,
+    or where the filesystem has none (some FUSE mounts) a rename replacing nothing. Created in place instead, a
+    kill between the create and the write left an empty manifest that blocked its tag for good."""
+    try:
+        os.link(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        nf.rename_noreplace(dir_fd, tmp, dir_fd, base)
+
+
 def temp_name(base: str, tag: str = "tmp") -> str:
     """A temporary name beside ``base``: ``<base>.tmp.<pid>.<8 hex>`` (a publication or an atomic
     replacement) or, ``tag="recv"``, ``<base>.recv.<pid>.<8 hex>`` (a fast-tier transfer)."""
@@ -247,7 +259,7 @@ class Folder:
                 if replace:
                     os.replace(tmp_base, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 else:
-                    os.link(tmp_base, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+                    _link_or_rename(dir_fd, tmp_base, base)
             finally:
                 drop_temp(dir_fd, tmp_base, self.where(name))
             if sync:
@@ -274,13 +286,7 @@ class Folder:
                 if replace:
                     os.replace(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 else:
-                    os.link(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-            except OSError as exc:
-                if replace or exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-                    raise
-                # no hard links here (some FUSE mounts): create-only in place (a crash mid-write leaves a
-                # torn file, which readers refuse as a corrupt manifest)
-                nf.create_at(dir_fd, base, data, sync=sync, where=where)
+                    _link_or_rename(dir_fd, tmp, base)
             finally:
                 drop_temp(dir_fd, tmp, where)
             if sync:

@@ -11,6 +11,7 @@ import copy
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 import warnings
@@ -352,6 +353,17 @@ def test_full_save_leaves_newest_and_retention_alone(tmp_path: Any) -> None:
     m3, _ = trained_model(2)
     assert resume_from_checkpoint(root, "f1", partial=False, model=m3) == {"step": 2}
     assert_models_equal(m, m3)
+
+
+@pytest.mark.parametrize("tag", ["newest", "smpckpt.abandoned"])
+def test_a_full_tag_naming_a_root_file_is_refused_before_writing(tmp_path: Any, tag: str) -> None:
+    """``{path}/newest`` and ``{path}/smpckpt.abandoned`` (a roll-back's record) are the root's own files: a
+    full artifact under that name took the record's place, so a later roll-back's save could not write it
+    (only a warning) and a resume whose newest manifest is lost fell back to an abandoned save."""
+    m, _ = trained_model(0)
+    with pytest.raises(ValueError, match=rf"'{re.escape(tag)}' cannot name a full checkpoint"):
+        save_checkpoint(str(tmp_path), tag, partial=False, model=m)
+    assert os.listdir(tmp_path) == []
 
 
 def test_strict_refuses_checkpoint_keys_the_model_lacks(tmp_path: Any) -> None:

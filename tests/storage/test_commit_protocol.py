@@ -777,3 +777,45 @@ def test_a_commit_that_sees_a_removal_and_cannot_withdraw_says_so(tmp_path: Path
     err = unwrap(info.value)
     assert isinstance(err, CheckpointError) and not isinstance(err, CommitUncertain), repr(err)
     assert "withdrawing this commit failed" in str(err) and "injected" in str(err), err
+
+
+def test_a_save_killed_writing_its_manifest_without_hard_links_never_blocks_its_folder(tmp_path: Path) -> None:
+    """A filesystem without hard links (``link`` refused with EPERM: some FUSE mounts) took the manifest's
+    create-only fallback: created in place, so a save SIGKILLed between that create and its write left an
+    empty manifest, the folder ``corrupt`` for good (prune never removes one) and every later save into it
+    refused (``CheckpointCorrupt``: "smpckpt.manifest.json is malformed") -- a killed save never blocks
+    its tag. Now the whole temporary is renamed into place. Killed at the 1st and the 2nd write of a
+    manifest (its temporary, then main's in-place manifest), in children forked by one subprocess."""
+    code = (
+        "import errno, os, signal, sys\n"
+        "import torch.distributed.checkpoint as dcp\n"
+        "from storage_helpers import make_state\n"
+        "from smpckpt.storage import FsspecStorageWriter\n"
+        "def no_link(*a, **k):\n"
+        "    raise OSError(errno.EPERM, 'no hard links here')\n"
+        "for kth, url in enumerate(sys.argv[1:], 1):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os.link, real, seen = no_link, os.write, []\n"
+        "        def write(fd, data):\n"
+        "            if 'smpckpt.manifest.json' in os.readlink(f'/proc/self/fd/{fd}'):\n"
+        "                seen.append(fd)\n"
+        "                if len(seen) == kth:\n"
+        "                    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "            return real(fd, data)\n"
+        "        os.write = write\n"
+        "        dcp.save(make_state(0), storage_writer=FsspecStorageWriter(url))\n"
+        "        os._exit(0)\n"
+        "    os.waitpid(pid, 0)\n"
+    )
+    urls = [str(tmp_path / f"k{k}") for k in (1, 2)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code, *urls], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    new = make_state(1)
+    for url in urls:  # a killed save is uncommitted (or, not killed, committed): a retry commits beside it
+        if checkpoint_state(url) == "uncommitted":
+            dcp.save(new, storage_writer=FsspecStorageWriter(url))
+            assert_state_equal(new, roundtrip_load(new, url))
+        else:
+            assert checkpoint_state(url) == "committed" and verify_checkpoint(url).ok, url

@@ -219,14 +219,17 @@ class Translation:
     def rule_of(self, key: str, shapes: Mapping[str, Sequence[int]], side: str) -> Rule | None:
         """The rule that takes ``key`` of ``shapes`` on ``side`` (``"ours"`` / ``"artifact"``: optimizer
         state by its parameter's), or ``None`` when it keeps its key."""
-        found = self._match(key, {k: tuple(v) for k, v in shapes.items()}, side)
+        found = self._match(key, shapes, side)  # not a copy of every shape per key: quadratic at 8,000 keys
         return None if found is None else self.rules[found[0]]
 
-    def _match(self, key: str, shapes: Mapping[str, Shape], side: str) -> tuple[int, dict[str, str], str] | None:
+    def _match(
+        self, key: str, shapes: Mapping[str, Sequence[int]], side: str
+    ) -> tuple[int, dict[str, str], str] | None:
         """``(rule index, fields, suffix)`` of ``key`` on ``side`` (``"ours"`` / ``"artifact"``): a direct
         match, else the longest ``<param>.<suffix>`` split whose parameter matches and has ``key``'s shape."""
         for candidate, suffix in ((key, ""), *_prefixes(key)):
-            if suffix and shapes.get(candidate) != shapes[key]:
+            got = shapes.get(candidate) if suffix else None
+            if suffix and (got is None or tuple(got) != tuple(shapes[key])):
                 continue
             for index, rule in enumerate(self.rules):
                 fields = rule.match(candidate, side)

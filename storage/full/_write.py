@@ -238,17 +238,22 @@ class _RankWriter:
         artifact dtype, else staged a buffer at a time through the save's pool (device-to-host, transpose,
         cast), each chunk written and hashed while the next is copied: extra memory stays within the pool."""
         for item in self.per_file[name]:
-            chunk = chunk_of(self.planner, item, cpu=False)  # the planner resolves each item once
-            for w in self.by_item[item.index]:
-                box = box_view(chunk, w)
-                own = cpu_bytes(box) if box.dtype == w.dtype and box.device.type == "cpu" else None
-                kind = stage_kind(box, in_place=own is not None)
-                if kind is None and own is not None:
-                    _put(self.fds[w.file], w, own)
-                    self._record(item.index, own.nbytes, [unit_digests(w, own, self.data.check_block)])
-                else:
-                    units = self._stage_box(w, box, self.stages.get(box, kind or "host"))
-                    self._record(item.index, math.prod(w.sizes) * w.dtype.itemsize, [units])
+            # one call per item: a tensor made for the export (consolidate's, read whole) dies on return,
+            # before the next is resolved, so a file's thread holds one at a time, not two
+            self._write_item(item)
+
+    def _write_item(self, item: WriteItem) -> None:
+        chunk = chunk_of(self.planner, item, cpu=False)  # the planner resolves each item once
+        for w in self.by_item[item.index]:
+            box = box_view(chunk, w)
+            own = cpu_bytes(box) if box.dtype == w.dtype and box.device.type == "cpu" else None
+            kind = stage_kind(box, in_place=own is not None)
+            if kind is None and own is not None:
+                _put(self.fds[w.file], w, own)
+                self._record(item.index, own.nbytes, [unit_digests(w, own, self.data.check_block)])
+            else:
+                units = self._stage_box(w, box, self.stages.get(box, kind or "host"))
+                self._record(item.index, math.prod(w.sizes) * w.dtype.itemsize, [units])
 
     def _stage_box(self, w: FullWrite, box: torch.Tensor, stage: Stage) -> BoxUnits:
         """One box through ``stage``: a buffer's worth of elements at a time (whole row groups of a tiled box),

@@ -56,7 +56,7 @@ def _plain(value: Any, *, immutable: bool) -> bool:
     return kind in _ATOMS
 
 
-def encode_object(value: Any, memo: dict[bytes, bytes], odd: dict[int, bytes] | None = None) -> bytes:
+def encode_object(value: Any, memo: dict[bytes, bytes], odd: dict[bytes, set[int]] | None = None) -> bytes:
     """``torch.save`` bytes of ``value``. A plain value's bytes are a function of its pickle (keyed by
     it, 1.0, 1, True and -0.0 stay apart): an optimizer's thousands of hyper-parameter objects (11 a
     parameter in torch's flattened format) are a few distinct values, each saved once per ``memo``."""
@@ -71,8 +71,8 @@ def encode_object(value: Any, memo: dict[bytes, bytes], odd: dict[int, bytes] | 
     raw = buf.getvalue()
     if key is not None:
         memo[key] = raw
-    elif odd is not None:  # not plain (a numpy scalar, a class): the caller checks it loads weights-only
-        odd.setdefault(id(value), raw)
+    elif odd is not None:  # not plain (a numpy scalar): the caller checks it loads weights-only, once per bytes
+        odd.setdefault(raw, set()).add(id(value))
     return raw
 
 

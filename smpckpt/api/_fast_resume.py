@@ -49,7 +49,7 @@ from smpckpt.api._tiers import (
     runs_of,
     tier_seq,
 )
-from smpckpt.catalog.root import partial_dirname, partial_url
+from smpckpt.catalog.root import newest_record, partial_dirname, partial_url
 from smpckpt.errors import (
     LOADED_IN_PLACE,
     CheckpointError,
@@ -143,8 +143,15 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
             _refuse_emptied(req, job, target, complete[0].tag)
         return target
 
+    def newest_damaged() -> bool:  # as the Checkpointer's refusal of path's damaged newest tells it
+        rec = newest_record(req.root, req.storage_options)
+        return rec is not None and rec.state not in ("committed", "missing", "removing", "legacy")
+
     durable = ctx.on_coordinator(durable_target)
-    if durable is None and found and not complete and not req.opts.missing_ok:
+    # tag=None with path's newest damaged: the Checkpointer refuses that by name (CheckpointCorrupt), not
+    # "not found" here, which a caller may take for a fresh start over a checkpoint that is there (rev68a F1)
+    damaged = durable is None and req.tag is None and bool(found) and ctx.on_coordinator(newest_damaged)
+    if durable is None and found and not complete and not req.opts.missing_ok and not damaged:
         # (every rank alike: the listing is gathered, ``durable`` broadcast) say why the fast tier's copy is
         # no answer, rather than "no checkpoint" as if the tag had never been saved (tag=None: hunt67 note)
         what = f"checkpoint {req.tag!r}" if req.tag is not None else "committed checkpoint"

@@ -32,7 +32,7 @@ import pickletools
 import warnings
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -346,15 +346,15 @@ def check_weights_only(data: bytes | memoryview, *, where: str) -> None:
         raise CheckpointCorrupt(f"{where}: object bytes cannot be read: {exc!r}") from exc
 
 
-def warn_pickled(objects: Mapping[int, bytes], named: Iterable[tuple[str, Any]]) -> None:
-    """Warn naming the values (``named``: key, value) of ``objects`` (id -> ``torch.save`` bytes) that a load
-    without ``allow_pickle`` refuses (weights-only)."""
+def warn_pickled(objects: Mapping[bytes, Collection[int]], named: Iterable[tuple[str, Any]]) -> None:
+    """Warn naming the values (``named``: key, value) of ``objects`` (``torch.save`` bytes -> the ids of the
+    values saved as them) that a load without ``allow_pickle`` refuses (weights-only)."""
     refused: set[int] = set()
-    for i, data in objects.items():
+    for data, ids in objects.items():
         try:
             torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         except pickle.UnpicklingError:
-            refused.add(i)
+            refused.update(ids)
         except Exception:  # noqa: BLE001 - not the refusal asked about (a load reports anything else)
             pass
     shown = [f"{k} ({type(v).__module__}.{type(v).__name__})" for k, v in named if id(v) in refused] if refused else []

@@ -21,6 +21,7 @@ from tier_helpers import tier_record as _tier_record
 from torch import nn
 
 from smpckpt import (
+    CheckpointCorrupt,
     Checkpointer,
     CheckpointError,
     CheckpointExists,
@@ -310,6 +311,24 @@ def test_nothing_to_resume_in_either_tier_names_both(tmp_path: Path) -> None:
         CheckpointError, match=f"^no committed checkpoint under {durable} nor in the fast tier {local}$"
     ):
         resume_from_checkpoint(durable, model=_linear(9), local_path=local)
+
+
+@pytest.mark.parametrize("missing_ok", [False, True])
+def test_a_damaged_newest_in_path_beside_an_incomplete_fast_copy_is_corrupt_not_missing(
+    tmp_path: Path, missing_ok: bool
+) -> None:
+    """rev68a F1: path's newest, damaged, and the fast tier's copy of it incomplete: the incomplete copy's
+    "no committed checkpoint" (CheckpointNotFound, which a caller may take for a fresh start) came first."""
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    save_checkpoint(durable, "s1", model=_linear(1), local_path=local, replicas=1, durable_every=1)
+    wait_for_saves()  # drained
+    folder = _job(local, durable) / "s1_partial"
+    (folder / sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))[0]).unlink()
+    (durable / "s1_partial" / "smpckpt.manifest.json").write_text("{not json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointCorrupt, match=f"^{durable}/newest names 's1', which is corrupt"):
+            resume_from_checkpoint(durable, model=_linear(9), local_path=local, missing_ok=missing_ok)
 
 
 def test_a_state_that_does_not_fit_the_newest_save_is_refused_not_resumed_from_an_older_one(tmp_path: Path) -> None:

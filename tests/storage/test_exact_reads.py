@@ -281,6 +281,9 @@ def test_on_s3_a_column_slice_of_a_large_tensor_holds_a_bounded_buffer(
     ``max_request_bytes``, each copied into the destination as it lands, so the read buffers held at once
     are one per thread. (Counted at the reader's buffer pool: tracemalloc would count the loopback moto
     server too, which holds the whole object for every GET.)"""
+    # copied into CPU destinations on the worker (under the CPU stand-in of the device stage every load
+    # goes through the calling thread: up to two parts per thread in flight, tests/storage/test_staging.py)
+    monkeypatch.delenv("SMPCKPT_TEST_DEVICE", raising=False)
     base, opts = s3
     g = {"col": torch.arange(1024 * 16384, dtype=torch.float32).view(1024, 16384)}  # 64 MiB, rows of 64 KiB
     url = f"{base}/ck"

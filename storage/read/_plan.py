@@ -206,10 +206,11 @@ def plan_reads(
     request_cost: int = REQUEST_COST_BYTES,
 ) -> ReadPlan:
     """Widen each item to whole checksum blocks (of files in ``records``, when ``verify``), set aside
-    row-by-row box reads (``local`` files only; rows at most ``row_gap`` apart share requests, rows whose
-    gaps cost less than a request, ``request_cost`` bytes, stream: :func:`streams`) and direct
-    candidates (where ``direct``: reads can land in the destination), coalesce the rest per file, and mark
-    the requests no neighbour continues (``scattered``)."""
+    row-by-row box reads (``local`` files; rows at most ``row_gap`` apart share requests, rows whose
+    gaps cost less than a request, ``request_cost`` bytes, stream: :func:`streams`; elsewhere a strided
+    slice whose widened span exceeds ``max_request_bytes``, streamed in requests of at most that) and
+    direct candidates (where ``direct``: reads can land in the destination), coalesce the rest per file,
+    and mark the requests no neighbour continues (``scattered``)."""
     per_file: dict[str, list[Need[Item]]] = {}
     empty: list[Item] = []
     candidates: list[DirectCandidate] = []
@@ -223,14 +224,17 @@ def plan_reads(
         needed_per_file[it.file] = needed_per_file.get(it.file, 0) + exact
         rec = records.get(it.file) if verify else None
         contiguous = it.raw and exact == it.end - it.start  # the slice is one run of the stored chunk's bytes
-        box = box_read(it, rec, verify=verify) if local and it.raw and not contiguous else None
-        if box is not None:
-            merge = box.row_bytes - box.width <= row_gap
-            stream = not merge and streams(box.row_bytes, box.width, request_cost)
-            boxes.append(dataclasses.replace(box, merge=merge, stream=stream))
-            continue
         # the reader's record checks have put the item inside the file and the file in the manifest
         lo, hi = rec.widen(it.start, it.end) if rec is not None else (it.start, it.end)
+        # on object stores (fewer, larger requests) a strided slice is one request up to max_request_bytes;
+        # past that, spans of whole rows (coalesce never splits an item: its span would take one buffer)
+        strided = it.raw and not contiguous and (local or hi - lo > max_request_bytes)
+        box = box_read(it, rec, verify=verify, spans=not local) if strided else None
+        if box is not None:
+            merge = local and box.row_bytes - box.width <= row_gap
+            stream = not local or (not merge and streams(box.row_bytes, box.width, request_cost))
+            boxes.append(dataclasses.replace(box, merge=merge, stream=stream))
+            continue
         if direct and contiguous and it.end - it.start >= direct_min_bytes:
             # candidate for reading straight into the destination (decided when its target is resolved)
             candidates.append(DirectCandidate(it.file, Need(lo, hi, it)))
@@ -319,16 +323,18 @@ def pieces(rec: FileRecord | None, lo: int, hi: int) -> list[tuple[int, int]]:
     return out
 
 
-def box_read(it: Item, rec: FileRecord | None, *, verify: bool) -> BoxRead | None:
-    """The row-by-row read of a strided slice (local files): verifying, the column groups it touches
-    over the row groups it touches when its record is tiled in ``rec``; not verifying, exactly its
-    bytes (rows merged, streamed or a request each: the caller's cost model decides, for short runs too,
-    so a slice never takes its whole enclosing span in one buffer). ``None``: read a range."""
-    if verify:
-        t = rec.tiling_at(it.start) if rec is not None else None
-        if t is None or it.end > t.end:
-            return None
+def box_read(it: Item, rec: FileRecord | None, *, verify: bool, spans: bool = False) -> BoxRead | None:
+    """The row-by-row read of a strided slice: verifying, the column groups it touches over the row
+    groups it touches when its record is tiled in ``rec``; not verifying, exactly its bytes (rows merged,
+    streamed or a request each: the caller's cost model decides, for short runs too, so a slice never
+    takes its whole enclosing span in one buffer). ``spans`` (object stores, read as spans of rows, each
+    widened to whole units when verified): also a slice of untiled rows, or touching every column group.
+    ``None``: read a range."""
+    t = rec.tiling_at(it.start) if verify and rec is not None else None
+    if t is not None and it.end <= t.end:
         base, row_bytes = t.start, t.row_bytes
+    elif verify and not spans:
+        return None
     elif it.chunk_sizes and it.dtype is not None:
         t = None
         row_bytes = math.prod(it.chunk_sizes[1:]) * it.dtype.itemsize
@@ -343,7 +349,7 @@ def box_read(it: Item, rec: FileRecord | None, *, verify: bool) -> BoxRead | Non
     if t is None:
         return BoxRead(it.file, it, base, row_bytes, row0, row1 + 1, col0, last + 1)
     g0, g1 = col0 // t.segment, last // t.segment + 1
-    if (g1 - g0) * t.segment == row_bytes:
+    if (g1 - g0) * t.segment == row_bytes and not spans:
         return None
     rows = (row0 // t.rows_per_group * t.rows_per_group, min(t.rows, (row1 // t.rows_per_group + 1) * t.rows_per_group))
     return BoxRead(it.file, it, base, row_bytes, rows[0], rows[1], g0 * t.segment, g1 * t.segment, t)

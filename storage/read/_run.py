@@ -14,7 +14,9 @@ verifying them overlaps other reads. Task kinds:
   read them; an item is committed when its last piece is done (:class:`_OpenItem` counts them down).
 * :class:`_BoxPart`: whole row groups of a column slice on local disk (about 16 MiB each, so several
   threads share a slice), a request per row (or per run of close rows), or sequential spans of whole
-  rows where the planner's cost model says so (``_plan.streams``), columns copied out (``_fetch.read_box``).
+  rows where the planner's cost model says so (``_plan.streams``), columns copied out (``_fetch.read_box``);
+  on object stores, a slice past ``max_request_bytes``: a span of whole row groups of at most that
+  many bytes per part and request, verified, its columns copied into the destination on the worker.
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
 read as a buffered fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner is
@@ -39,7 +41,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch
-from smpckpt.storage.backends._fs import join
+from smpckpt.storage.backends._fs import is_local, join
 from smpckpt.storage.format._columns import Into
 from smpckpt.storage.format._reading import Fetch, c_strides
 from smpckpt.storage.format._safe_pickle import check_weights_only
@@ -169,6 +171,7 @@ class ReadRun:
     def __init__(self, reader: FsspecStorageReader, planner: LoadPlanner, max_request_bytes: int) -> None:
         """``reader``'s location, records, checks and threads; requests of up to ``max_request_bytes``."""
         self.fs, self.folder, self.planner = reader.fs, reader.path, planner
+        self.local = is_local(self.fs)
         # records to verify against (none when verification is off)
         self.records: Mapping[str, FileRecord] = reader._records if reader.verify_checksums else {}
         self.allow_pickle = reader.allow_pickle
@@ -322,7 +325,12 @@ class ReadRun:
         dst = box_destination(box, target) if in_place(target) else None
         # a streamed part copies the item's columns straight into its destination on the worker
         into = item_destination(box, target) if box.stream and dst is None and in_place(target) else None
-        chunks = box.chunks(STREAM_PART_BYTES if box.stream else PIECE_BYTES)
+        # on object stores a part is one request (S3 charges by the request), of up to max_request_bytes
+        chunks = (
+            box.chunks(STREAM_PART_BYTES if box.stream else PIECE_BYTES)
+            if self.local
+            else box.chunks(self.max_request_bytes)
+        )
         entry = _OpenItem(box.item, target, len(chunks))
         for a, b in chunks:
             # bytes to order the work by; what was asked of storage is counted when done (_complete)
@@ -377,9 +385,32 @@ class ReadRun:
             items = [n.item for n in f.needs]
             return read_range(self.fs, path, f.start, f.end, items, rec, self.pool, turn, task.scattered)
         if isinstance(task, _BoxPart):
+            if not self.local:
+                return self._fetch_rows(path, task, rec, turn)
             return read_box(path, task.box, task.rows, rec, task.dst, self.pool, turn, task.into)
         read_direct(self.fs, path, task.parts, rec, turn, task.scattered)
         return None
+
+    def _fetch_rows(
+        self, path: str, part: _BoxPart, rec: FileRecord | None, turn: contextlib.AbstractContextManager[None] | None
+    ) -> BoxRows:
+        """(worker thread, object stores) A box part's rows in one ranged request into a pooled buffer, from
+        the box's first column of its first row to its last of its last row (S3 charges by the request, not
+        the gaps), widened to whole units when verified: every unit it touches is checked (a block across
+        two parts is read and checked by both). Copied into the destination here when it takes the rows as
+        stored; else handed back (rows ``row_bytes`` apart) for :meth:`_deliver_rows`."""
+        box, (a, b) = part.box, part.rows
+        first = box.base + a * box.row_bytes + box.col0
+        lo, hi = first, box.base + (b - 1) * box.row_bytes + box.col1
+        if rec is not None:
+            lo, hi = rec.widen(lo, hi)
+        data = read_range(self.fs, path, lo, hi, [box.item], rec, self.pool, turn)
+        into = Into(part.dst, a, box.width, box.col0) if part.dst is not None else part.into
+        if into is None:
+            return BoxRows(data[first - lo :], box.row_bytes, hi - lo, 1)
+        into.copy(data[first - lo :], a, box.col0, part.rows, box.row_bytes)
+        self.pool.give_back(data)
+        return BoxRows(None, box.width, hi - lo, 1)
 
     def _complete(self, task: _Task, data: memoryview | BoxRows | None) -> None:
         """(calling thread) Hand a finished task's items to the planner."""

@@ -100,7 +100,8 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             Fewer than ``thread_count`` starts reads in file order while the other workers verify:
             for devices that punish concurrent streams (``benchmarks/RESULTS.md``, "cold loads").
         max_request_bytes: coalesced requests stop growing at this size (``None``: 32 MiB on local
-            filesystems, 64 MiB elsewhere: ``benchmarks/RESULTS.md``, "Read request size").
+            filesystems, 64 MiB elsewhere: ``benchmarks/RESULTS.md``, "Read request size"); on object
+            stores a column slice whose span is larger is read in requests of whole row groups of at most this.
         coalesce_gap: merge ranges separated by at most this many bytes (reading the gap); the rows of
             a column slice on local disk share requests when they are at most this many bytes apart, or
             less than a page (``_plan.ROW_GAP``).

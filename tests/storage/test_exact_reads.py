@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import re
+import threading
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifa
 from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling, item_checks
 from smpckpt.storage.format._checksum import BlockHasher, hash_parts
 from smpckpt.storage.format.manifest import FileRecord, Manifest, MetadataRecord
+from smpckpt.storage.read._fetch import BufferPool
 from smpckpt.storage.tools import read_manifest, verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -241,22 +243,177 @@ def test_loads_name_the_bytes_of_a_damaged_tile(tmp_path: Any) -> None:
 
 
 @pytest.mark.s3
-def test_on_s3_a_column_slice_reads_its_row_groups_in_one_request_and_verifies_tiles(
+def test_on_s3_a_column_slice_reads_its_row_groups_in_requests_of_at_most_max_request_bytes(
     s3: tuple[str, dict[str, Any]],
 ) -> None:
+    """A column slice's span, widened to whole row groups, is one request when it fits in
+    ``max_request_bytes`` (default 64 MiB on object stores); past that it goes in requests of whole row
+    groups of at most that many bytes each (it used to be one request, the span in one buffer, however
+    large): with 1 MiB, 8 requests of one row group (32 rows) each."""
     base, opts = s3
     g = {"col": torch.randn(256, 8192)}
     url = f"{base}/ck"
     planner = ParallelSavePlanner(ParallelLayout(), SPECS)
     dcp.save({"m": g}, storage_writer=FsspecStorageWriter(url, storage_options=opts), planner=planner)
-    dest = {"col": torch.empty(256, 2048)}
-    reader = FsspecStorageReader(url, storage_options=opts)
-    dcp.load({"m": dest}, storage_reader=reader, planner=ParallelLoadPlanner(ParallelLayout(tp=4), SPECS, rank=3))
-    assert torch.equal(dest["col"], g["col"][:, 6144:])
-    stats = reader.last_read_stats
-    # the slice spans every row: its enclosing span, widened to whole row groups, is the whole record
-    assert stats.bytes_needed == 256 * 2048 * 4 and stats.bytes_read == 256 * 8192 * 4
-    assert stats.requests == 1
+    for cap, requests, nbytes in ((None, 1, 256 * 8192 * 4), (1 << 20, 8, 256 * 8192 * 4)):
+        dest = {"col": torch.empty(256, 2048)}
+        reader = FsspecStorageReader(url, storage_options=opts, max_request_bytes=cap)
+        dcp.load({"m": dest}, storage_reader=reader, planner=ParallelLoadPlanner(ParallelLayout(tp=4), SPECS, rank=3))
+        assert torch.equal(dest["col"], g["col"][:, 6144:])
+        stats = reader.last_read_stats
+        # the slice spans every row, so its span widened to whole row groups is the record
+        assert stats.bytes_needed == 256 * 2048 * 4 and stats.bytes_read == nbytes, cap
+        assert stats.requests == requests, cap
+
+
+def _s3_load(url: str, opts: dict[str, Any], dest: dict[str, torch.Tensor], tp: int, rank: int, **kw: Any) -> Any:
+    reader = FsspecStorageReader(url, storage_options=opts, **kw)
+    dcp.load({"m": dest}, storage_reader=reader, planner=ParallelLoadPlanner(ParallelLayout(tp=tp), SPECS, rank=rank))
+    return reader.last_read_stats
+
+
+@pytest.mark.s3
+def test_on_s3_a_column_slice_of_a_large_tensor_holds_a_bounded_buffer(
+    s3: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TP=8 rank 1's columns of a 64 MiB fp32 matrix (rows of 64 KiB): its span (56 MiB) used to be one
+    GET into one 56 MiB read buffer (at 1 GiB, +1 GiB of RSS per rank); now requests of at most
+    ``max_request_bytes``, each copied into the destination as it lands, so the read buffers held at once
+    are one per thread. (Counted at the reader's buffer pool: tracemalloc would count the loopback moto
+    server too, which holds the whole object for every GET.)"""
+    # copied into CPU destinations on the worker (under the CPU stand-in of the device stage every load
+    # goes through the calling thread: up to two parts per thread in flight, tests/storage/test_staging.py)
+    monkeypatch.delenv("SMPCKPT_TEST_DEVICE", raising=False)
+    base, opts = s3
+    g = {"col": torch.arange(1024 * 16384, dtype=torch.float32).view(1024, 16384)}  # 64 MiB, rows of 64 KiB
+    url = f"{base}/ck"
+    planner = ParallelSavePlanner(ParallelLayout(), SPECS)
+    dcp.save({"m": g}, storage_writer=FsspecStorageWriter(url, storage_options=opts), planner=planner)
+    held, lock = [0, 0], threading.Lock()  # bytes of read buffers out of the pool now, and at most
+    take, give_back = BufferPool.take, BufferPool.give_back
+
+    def counted_take(pool: BufferPool, n: int) -> bytearray:
+        buf = take(pool, n)
+        with lock:
+            held[0] += len(buf)
+            held[1] = max(held)
+        return buf
+
+    def counted_give_back(pool: BufferPool, data: memoryview) -> None:
+        with lock:
+            held[0] -= len(data.obj) if isinstance(data.obj, bytearray) else 0
+        give_back(pool, data)
+
+    monkeypatch.setattr(BufferPool, "take", counted_take)
+    monkeypatch.setattr(BufferPool, "give_back", counted_give_back)
+    dest = {"col": torch.empty(1024, 2048)}
+    stats = _s3_load(url, opts, dest, 8, 1, max_request_bytes=8 << 20, thread_count=2)
+    assert torch.equal(dest["col"], g["col"][:, 2048:4096])
+    assert held[1] <= 16 << 20, f"{held[1] >> 20} MiB of read buffers held at once for an 8 MiB column slice"
+    # a row group (128 rows, 8 MiB) per request, not a request per row (1,024 rows)
+    assert stats.requests == 8 and stats.bytes_read == 64 << 20
+
+
+def _s3_columns() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return {
+        # rows of 10,032 bytes: tiled in 2 column groups of 5,016 bytes, row groups of 6 rows; a TP=3 slice
+        # (3,344 bytes a row) touches both groups of most rows
+        "col_f32": torch.randn(300, 2508, generator=gen),
+        # rows of 6,000 bytes: not tiled, 32 KiB blocks that straddle rows (and the requests' edges)
+        "col_bf16": torch.randn(512, 3000, generator=gen).to(torch.bfloat16),
+        # rows of 32 KiB in 8 groups: a TP=4 slice is 2 of them
+        "col_wide": torch.randn(64, 8192, generator=gen),
+        # split unevenly at TP=3 (834, 834, 832 columns: the vocabulary-padding case)
+        "col_uneven": torch.randn(200, 2500, generator=gen),
+    }
+
+
+UNEVEN = {"m.col_uneven": ShardSpec(1, sizes=(834, 834, 832)), **SPECS}
+
+
+@pytest.mark.s3
+def test_on_s3_column_slices_read_in_bounded_requests_are_bit_exact(s3: tuple[str, dict[str, Any]]) -> None:
+    base, opts = s3
+    g = _s3_columns()
+    url = f"{base}/ck"
+    planner = ParallelSavePlanner(ParallelLayout(), SPECS)
+    dcp.save({"m": g}, storage_writer=FsspecStorageWriter(url, storage_options=opts), planner=planner)
+    span = sum(v.numel() * v.element_size() for v in g.values())
+    for verify in (True, False):
+        for tp, rank in ((3, 0), (3, 1), (3, 2), (4, 1)):
+            # col_wide (8192 columns) at TP=4 only; col_uneven at TP=3 only
+            want = {k: v.chunk(tp, dim=1)[rank] for k, v in g.items() if k in ("col_f32", "col_bf16")}
+            if tp == 3:
+                want["col_uneven"] = g["col_uneven"].split([834, 834, 832], dim=1)[rank]
+            else:
+                want["col_wide"] = g["col_wide"].chunk(tp, dim=1)[rank]
+            dest = {k: torch.empty_like(v) for k, v in want.items()}
+            reader = FsspecStorageReader(
+                url, storage_options=opts, verify_checksums=verify, max_request_bytes=256 << 10
+            )
+            planner = ParallelLoadPlanner(
+                ParallelLayout(tp=tp), UNEVEN if tp == 3 else SPECS, rank=rank, allow_partial_load=True
+            )
+            dcp.load({"m": dest}, storage_reader=reader, planner=planner)
+            for k, v in dest.items():
+                assert torch.equal(v, want[k]), (k, tp, rank, verify)
+            stats = reader.last_read_stats
+            # about the spans in requests of up to 256 KiB (widened to whole blocks when verified: up to 32
+            # KiB each side), not one per row (1,076 rows), nor a request of a whole span
+            assert stats.requests >= stats.bytes_read // (320 << 10), (tp, rank, verify, stats)
+            assert stats.requests <= stats.bytes_read // (200 << 10) + 2 * len(dest), (tp, rank, verify, stats)
+            assert stats.bytes_read <= span, (tp, rank, verify)
+
+
+@pytest.mark.s3
+def test_on_s3_a_damaged_block_across_two_requests_of_a_column_slice_is_refused(
+    s3: tuple[str, dict[str, Any]],
+) -> None:
+    base, opts = s3
+    g = {k: v for k, v in _s3_columns().items() if k in ("col_f32", "col_bf16")}
+    url = f"{base}/ck"
+    planner = ParallelSavePlanner(ParallelLayout(), SPECS)
+    dcp.save({"m": g}, storage_writer=FsspecStorageWriter(url, storage_options=opts), planner=planner)
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **opts)
+    # TP=3 rank 2 reads columns 2000..2999 (bytes 4000..6000 of each 6,000-byte row) in requests of 43
+    # rows (256 KiB): the first ends at row 42's last byte, the next starts at row 43's byte 4000. The
+    # 32 KiB block at 229,376..262,144 of the record holds both, and between them row 43's byte 100,
+    # which neither request's rows use: flipped, the block's check still refuses the load.
+    assert 229376 <= 43 * 6000 + 100 < 262144
+    name = _flip_s3(fs, url, opts, g["col_bf16"], 43 * 6000 + 100)
+    dest = {k: torch.empty_like(v.chunk(3, dim=1)[2]) for k, v in g.items()}
+    with pytest.raises(CheckpointException) as info:
+        _s3_load(url, opts, dest, 3, 2, max_request_bytes=256 << 10)
+    err = unwrap(info.value)
+    assert isinstance(err, CheckpointCorrupt) and "checksum mismatch" in str(err), err
+    assert name in str(err) and "m.col_bf16" in str(err), err
+    # unverified, the slice's own bytes are intact: bit-exact
+    dest = {k: torch.empty_like(v.chunk(3, dim=1)[2]) for k, v in g.items()}
+    _s3_load(url, opts, dest, 3, 2, verify_checksums=False, max_request_bytes=256 << 10)
+    assert all(torch.equal(v, g[k].chunk(3, dim=1)[2]) for k, v in dest.items())
+    _flip_s3(fs, url, opts, g["col_bf16"], 43 * 6000 + 100)  # flipped back
+    # a flipped byte inside a tiled slice's own columns (col_f32 row 100, column 1,000: TP=3 rank 1's)
+    name = _flip_s3(fs, url, opts, g["col_f32"], 100 * 10032 + 1000 * 4)
+    dest = {k: torch.empty_like(v.chunk(3, dim=1)[1]) for k, v in g.items()}
+    with pytest.raises(CheckpointException) as info:
+        _s3_load(url, opts, dest, 3, 1, max_request_bytes=256 << 10)
+    err = unwrap(info.value)
+    assert isinstance(err, CheckpointCorrupt) and name in str(err) and "m.col_f32" in str(err), err
+
+
+def _flip_s3(fs: Any, url: str, opts: dict[str, Any], t: torch.Tensor, offset: int) -> str:
+    """Flip byte ``offset`` of ``t``'s record in the S3 data file that holds it; returns the file's name."""
+    head = t.view(torch.uint8).numpy().tobytes()[:64]
+    for rec in read_manifest(url, opts).files:
+        data = bytearray(fs.cat_file(f"{url}/{rec.name}"))
+        if (start := bytes(data).find(head)) >= 0:
+            data[start + offset] ^= 0x10
+            fs.pipe_file(f"{url}/{rec.name}", bytes(data))
+            return str(rec.name)
+    raise AssertionError("no data file holds the tensor")
 
 
 @pytest.mark.s3

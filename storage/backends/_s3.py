@@ -288,8 +288,12 @@ class S3MultipartSink:
         except OSError as exc:
             if not precondition(exc):
                 raise
-            found, ours = self._call("head_object").get("ETag"), etag()
-            if not ours or str(found).strip('"') != ours:
+            try:
+                found = self._call("head_object").get("ETag")
+            except FileNotFoundError:  # another's, removed since the 412 (rev68c F3)
+                found = None
+            ours = etag()
+            if not ours or found is None or str(found).strip('"') != ours:
                 raise FileExistsError(errno.EEXIST, "another object is under this key", self.path) from exc
 
     def _result(self, fut: concurrent.futures.Future[str]) -> str:

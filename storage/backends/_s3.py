@@ -261,10 +261,13 @@ class S3MultipartSink:
                 etags = [self._result(f) for _, f in sorted(self._parts.items())]
                 parts = [{"PartNumber": n, "ETag": e} for n, e in enumerate(etags, 1)]
 
-                def parts_etag() -> str:  # S3's ETag of a multipart object: the MD5 of its parts' MD5s, the count
+                # S3's ETag of a multipart object: the MD5 of its parts' ETags (their MD5s), then the count. Under
+                # SSE-KMS or SSE-C ETags are no MD5s (they stay hex): the value may then match no object, and a
+                # lost reply stays a failure naming the key (README); never another's object taken as ours
+                def parts_etag() -> str:
                     try:
                         md5s = b"".join(bytes.fromhex(e.strip('"')) for e in etags)
-                    except ValueError:  # parts' ETags that are no MD5 (SSE-KMS): no object will match
+                    except ValueError:  # a store whose part ETags are not hex: nothing to compare
                         return ""
                     return f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(etags)}"
 

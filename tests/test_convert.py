@@ -268,6 +268,58 @@ def test_an_overwrite_interrupted_on_s3_leaves_the_old_file(
     assert not fs.call_s3("list_multipart_uploads", Bucket="convert").get("Uploads"), "an upload left open"
 
 
+@pytest.mark.s3
+@pytest.mark.parametrize("failing", ["part", "complete"])
+def test_an_overwrite_whose_upload_fails_at_its_close_on_s3_names_the_key_and_aborts_it(
+    tmp_path: Path, moto_endpoint: str, failing: str
+) -> None:
+    """rev68c F2: s3fs sends the last parts and completes the upload in ``close()``, which sat outside the
+    conversion's ``try``: S3 failing a part or the completion left the multipart upload open, and the error
+    named no key."""
+    import importlib.util
+
+    from s3_env import reset_moto, s3_options
+
+    from smpckpt.storage import open_fs
+
+    # the storage tests' proxy (tests/storage is on sys.path only when its conftest is collected)
+    spec = importlib.util.spec_from_file_location(
+        "_proxy", Path(__file__).parent / "storage" / "storage_faulty_proxy.py"
+    )
+    assert spec is not None and spec.loader is not None
+    proxy_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proxy_module)
+    FaultyProxy = proxy_module.FaultyProxy
+
+    state = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: a multipart upload of 5 MiB blocks
+    dcp.save(state, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    reset_moto(moto_endpoint, "convert")
+    opts, out = {**s3_options(moto_endpoint), "default_block_size": 5 << 20}, "s3://convert/out.pt"
+    fs, path = open_fs(out, opts)
+    old = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, old)
+    fs.pipe_file(path, old.getvalue())
+
+    def should_fail(method: str, p: str, query: dict[str, list[str]]) -> int | None:
+        if failing == "complete":
+            return 500 if method == "POST" and "uploadId" in query else None
+        return 500 if method == "PUT" and query.get("partNumber") == ["2"] else None  # sent by close()
+
+    with FaultyProxy(moto_endpoint, should_fail) as proxy:
+        popts = {
+            **opts,
+            "client_kwargs": dict(opts["client_kwargs"], endpoint_url=proxy.url),
+            "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}},
+        }
+        with pytest.raises(OSError) as info:
+            convert_checkpoint(tmp_path / "c", out, out_storage_options=popts, overwrite=True)
+        assert proxy.injected, "no fault injected"
+    assert info.value.filename == path, repr(info.value)
+    fs.invalidate_cache()
+    assert fs.cat_file(path) == old.getvalue(), f"{out}: the old file was replaced"
+    assert not fs.call_s3("list_multipart_uploads", Bucket="convert").get("Uploads"), "an upload left open"
+
+
 def test_conversion_to_one_file_works_where_the_filesystem_has_no_hard_links(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -35,6 +35,7 @@ from smpckpt.planners import ObjectBytes
 from smpckpt.planners._entries import decode_object
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, open_fs
 from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._fs import translate_errors
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE
 from smpckpt.tools._tiers import resolve_checkpoint_url
 
@@ -112,17 +113,19 @@ def _save_file(fs: Any, path: str, state: dict[str, Any], *, overwrite: bool) ->
         if overwrite:
             # not ``with``: fsspec closes a file on an exception too, and an object store's close publishes
             # what was written (a Ctrl-C in torch.save left a truncated file in place of the old one on S3);
-            # discard drops it (s3fs aborts the upload), and a file marked closed is not closed when collected
+            # discard drops it (s3fs aborts the upload), and a file marked closed is not closed when collected.
+            # close() inside: s3fs sends the last parts and completes the upload there (rev68c F2)
             out = fs.open(path, "wb")
             try:
-                torch.save(state, out)
+                with translate_errors(path):
+                    torch.save(state, out)
+                    out.close()
             except BaseException:
                 if isinstance(out, AbstractBufferedFile):  # memory:// replaced the old file at the open
                     with contextlib.suppress(Exception):
                         out.discard()
                     out.closed = True
                 raise
-            out.close()
             return
         sink = folder.sink(name, sync=True, part_size=DEFAULT_PART_SIZE, max_parts_in_flight=4)
         try:

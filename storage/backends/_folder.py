@@ -177,12 +177,21 @@ class Folder:
                 bucket, key, _ = self.fs.split_path(where)
                 try:
                     self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=bytes(data), IfNoneMatch="*")
-                except FileExistsError:
+                except OSError as exc:  # a 412 without <Condition> comes from s3fs as OSError(EINVAL)
+                    if not (isinstance(exc, FileExistsError) or precondition(exc)):
+                        raise
                     # a PUT that landed, its reply lost, is refused on its retry by itself: the same bytes are
                     # this call's (every create-only object's bytes name their save: its id, a removal's nonce;
-                    # a full artifact's fixed-name files are written behind the save's own marker)
-                    if get_object(self.fs, where) != bytes(data):
+                    # a full artifact's fixed-name files are written behind the save's own marker). Gone since
+                    # the 412 (404): another's, removed meanwhile
+                    try:
+                        own = get_object(self.fs, where) == bytes(data)
+                    except FileNotFoundError:
+                        own = False
+                    if not own and isinstance(exc, FileExistsError):
                         raise
+                    if not own:
+                        raise FileExistsError(errno.EEXIST, nf.EXISTS, where) from exc
                 self.fs.invalidate_cache(where)
             else:
                 with _MEMORY_LOCK if _protocol(self.fs) == "memory" else contextlib.nullcontext():
@@ -298,19 +307,22 @@ class Folder:
         (``If-Match``): exact. POSIX: compared just before the rename (a narrow window remains)."""
         where = self.where(name)
         if self.s3:
-            from smpckpt.storage.backends._s3 import get_object_and_etag
+            from smpckpt.storage.backends._s3 import get_object, get_object_and_etag
 
             bucket, key, _ = self.fs.split_path(where)
             current, etag = get_object_and_etag(self.fs, where)
             if current != expect:
                 raise FileExistsError(errno.EEXIST, "another save replaced it meanwhile", where)
-            try:
-                with translate_errors(where):
+            with translate_errors(where):
+                try:
                     self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=etag)
-            except OSError as exc:
-                if precondition(exc):
-                    raise FileExistsError(errno.EEXIST, "another save replaced it meanwhile", where) from exc
-                raise
+                except OSError as exc:
+                    # a 412 is another save's object, or this PUT's own: landed, its reply lost, the retry
+                    # refused by it (rev68c F1). The bytes tell; a failed GET is raised (an uncertain commit)
+                    if not precondition(exc):
+                        raise
+                    if get_object(self.fs, where) != data:
+                        raise FileExistsError(errno.EEXIST, "another save replaced it meanwhile", where) from exc
             self.fs.invalidate_cache(where)
             return
         if self.read(name) != expect:

@@ -261,10 +261,13 @@ class S3MultipartSink:
                 etags = [self._result(f) for _, f in sorted(self._parts.items())]
                 parts = [{"PartNumber": n, "ETag": e} for n, e in enumerate(etags, 1)]
 
-                def parts_etag() -> str:  # S3's ETag of a multipart object: the MD5 of its parts' MD5s, the count
+                # S3's ETag of a multipart object: the MD5 of its parts' ETags (their MD5s), then the count. Under
+                # SSE-KMS or SSE-C ETags are no MD5s (they stay hex): the value may then match no object, and a
+                # lost reply stays a failure naming the key (README); never another's object taken as ours
+                def parts_etag() -> str:
                     try:
                         md5s = b"".join(bytes.fromhex(e.strip('"')) for e in etags)
-                    except ValueError:  # parts' ETags that are no MD5 (SSE-KMS): no object will match
+                    except ValueError:  # a store whose part ETags are not hex: nothing to compare
                         return ""
                     return f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(etags)}"
 
@@ -288,8 +291,12 @@ class S3MultipartSink:
         except OSError as exc:
             if not precondition(exc):
                 raise
-            found, ours = self._call("head_object").get("ETag"), etag()
-            if not ours or str(found).strip('"') != ours:
+            try:
+                found = self._call("head_object").get("ETag")
+            except FileNotFoundError:  # another's, removed since the 412 (rev68c F3)
+                found = None
+            ours = etag()
+            if not ours or found is None or str(found).strip('"') != ours:
                 raise FileExistsError(errno.EEXIST, "another object is under this key", self.path) from exc
 
     def _result(self, fut: concurrent.futures.Future[str]) -> str:

@@ -245,15 +245,30 @@ def _write_manifest(
     refused: str,
     discard: Sequence[str],
 ) -> None:
-    """Step 3. Refused by another save's manifest: ``CheckpointExists`` after removing ``discard``; by this
-    save's own (a retried conditional PUT that had landed): committed. Another failure on an object store:
+    """Step 3. Refused by another save's manifest: ``CheckpointExists`` after removing ``discard`` (kept when
+    no manifest could be read: :class:`CommitUncertain`); by this save's own (a retried conditional PUT that
+    had landed): committed. Another failure on an object store:
     :class:`CommitUncertain`, but a 404 (the manifest an overwrite replaces removed meanwhile) is final; on POSIX
     and memory:// the folder tells whether the manifest landed."""
     try:
         write(data)
     except FileExistsError as exc:
-        if committed_save_id(folder) == manifest.save_id:
+        try:  # this save's files go only once a manifest naming another save was read (rev68c F1)
+            found = folder.read(MANIFEST_NAME)
+            other = Manifest.from_bytes(found).save_id if found is not None else None
+        except (CheckpointError, OSError) as err:
+            raise CommitUncertain(
+                f"{url}: the commit was refused, and the manifest in place could not be read ({type(err).__name__}: "
+                f"{err}): this save's own (a request whose reply was lost) or another's; this save's files are "
+                "kept: `smpckpt ls` tells whether it committed"
+            ) from exc
+        if other == manifest.save_id:
             return
+        if discard and other is None:
+            raise CheckpointExists(
+                f"{url}: another save's manifest refused this commit and is gone since (a removal ran meanwhile?); "
+                "this save's files are kept and nothing is committed here"
+            ) from exc
         if discard:
             failed = folder.remove(discard)
             if failed:

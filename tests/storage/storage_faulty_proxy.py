@@ -17,6 +17,8 @@ __all__ = ["FaultyProxy"]
 _BODIES = {
     503: b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>',
     500: b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>We encountered an internal error. Please try again.</Message></Error>',
+    # what S3 answers a retried conditional request that its own first attempt (landed, reply lost) refuses
+    412: b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PreconditionFailed</Code><Message>At least one of the pre-conditions you specified did not hold</Message><Condition>If-None-Match</Condition></Error>',
 }
 
 

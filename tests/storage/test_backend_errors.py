@@ -99,3 +99,82 @@ def test_a_replacement_refused_by_if_match_on_s3_says_another_save_replaced_it(
             folder.replace_if("smpckpt.manifest.json", b"C", b"A", sync=True)
     monkeypatch.undo()
     assert fs.cat_file(f"{path}/smpckpt.manifest.json") == b"B"
+
+
+@pytest.mark.s3
+def test_a_create_refused_by_a_412_without_its_condition_is_recognised_on_s3(
+    s3: tuple[str, dict[str, object]], moto_endpoint: str
+) -> None:
+    """rev68c F5: a store's 412 without ``<Condition>`` comes from s3fs as ``OSError(EINVAL)``: ``Folder.create``
+    caught only ``FileExistsError``, so another's object was no "exists" and its own landed PUT (reply lost) a
+    failure; the sink already asked ``precondition``."""
+    import re
+
+    import s3fs
+    from storage_faulty_proxy import FaultyProxy
+
+    from smpckpt.storage.backends._folder import Folder
+
+    base, opts = s3
+    lost: list[str] = []
+
+    def strip(method: str, query: dict[str, list[str]], status: int, body: bytes) -> bytes:
+        return re.sub(rb"<Condition>.*?</Condition>", b"", body) if status == 412 else body
+
+    def fail_after(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        if method == "PUT" and path.endswith("/lost") and not lost:
+            lost.append(path)
+            return 500
+        return None
+
+    with FaultyProxy(moto_endpoint, lambda *_: None, rewrite=strip, fail_after=fail_after) as proxy:
+        popts = dict(opts, client_kwargs=dict(opts["client_kwargs"], endpoint_url=proxy.url))  # type: ignore[arg-type]
+        fs = s3fs.S3FileSystem(**popts)
+        path = f"{base[5:]}/nocond"
+        fs.pipe_file(f"{path}/taken", b"another's")
+        with Folder(fs, path) as folder:
+            with pytest.raises(FileExistsError) as info:
+                folder.create("taken", b"mine", sync=True)
+            assert info.value.filename == f"{path}/taken", repr(info.value)
+            folder.create("lost", b"mine", sync=True)  # landed, reply lost, the retry refused by itself: ours
+        assert lost and fs.cat_file(f"{path}/taken") == b"another's" and fs.cat_file(f"{path}/lost") == b"mine"
+
+
+@pytest.mark.s3
+def test_an_object_removed_between_the_412_and_the_own_check_is_another_saves(
+    s3: tuple[str, dict[str, object]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev68c F3: a create refused (412) by another's object (another full save's marker) that is removed before
+    the own-check reads it: the 404 of that GET/HEAD came out as ``FileNotFoundError``, not as the refusal."""
+    from smpckpt.storage import open_fs
+    from smpckpt.storage.backends import _s3
+    from smpckpt.storage.backends._folder import Folder
+
+    base, opts = s3
+    fs, path = open_fs(f"{base}/gone", opts)
+    fs.pipe_file(f"{path}/smpckpt.writing", b"other-save-id")
+    real_get, real_call = _s3.get_object, fs.call_s3
+
+    def get_after_removal(fs_: object, where: str) -> bytes:
+        fs.rm_file(where)  # the other save's marker goes between our 412 and our GET
+        return real_get(fs_, where)
+
+    monkeypatch.setattr(_s3, "get_object", get_after_removal)
+    with Folder(fs, path) as folder:
+        with pytest.raises(FileExistsError) as info:
+            folder.create("smpckpt.writing", b"my-save-id", sync=True)
+    assert info.value.filename == f"{path}/smpckpt.writing", repr(info.value)
+    monkeypatch.undo()
+
+    def call_s3(method: str, **kw: object) -> object:
+        if method == "head_object":
+            fs.rm_file(f"{path}/x.distcp")  # removed between the refused PUT and the sink's HEAD
+        return real_call(method, **kw)
+
+    fs.pipe_file(f"{path}/x.distcp", b"another's")
+    monkeypatch.setattr(fs, "call_s3", call_s3)
+    sink = _s3.S3MultipartSink(fs, f"{path}/x.distcp", part_size=5 << 20, max_in_flight=1)
+    sink.write(memoryview(b"mine"))
+    with pytest.raises(FileExistsError) as info:
+        sink.commit()
+    assert info.value.filename == f"{path}/x.distcp", repr(info.value)

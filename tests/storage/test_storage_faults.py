@@ -387,7 +387,9 @@ def test_s3_a_data_file_whose_create_reply_was_lost_is_this_saves_own(
     s3: Backend, moto_endpoint: str, request_lost: str
 ) -> None:
     """A data file's create-only PUT (or multipart completion) lands and its reply is lost: the retry is refused
-    (412) by the save's own object. The save failed, on a transient error, with a FileExistsError naming no key."""
+    (412) by the save's own object. The save failed, on a transient error, with a FileExistsError naming no key.
+    The completion's 412 is sent here after the real completion (moto answers a retried completion 200, so
+    the retry would never meet the refusal S3 sends: rev68c F4); the object's multipart ETag tells it is ours."""
     from storage_faulty_proxy import FaultyProxy
 
     base, opts = s3
@@ -395,9 +397,10 @@ def test_s3_a_data_file_whose_create_reply_was_lost_is_this_saves_own(
 
     def fail_after(method: str, path: str, query: dict[str, list[str]]) -> int | None:
         put = method == "PUT" and "partNumber" not in query
-        if path.endswith(".distcp") and not landed and (put if request_lost == "put" else "uploadId" in query):
+        complete = method == "POST" and "uploadId" in query
+        if path.endswith(".distcp") and not landed and (put if request_lost == "put" else complete):
             landed.append(path)
-            return 500
+            return 500 if request_lost == "put" else 412
         return None
 
     sd, url = _big_state(), f"{base}/lost-{request_lost}"
@@ -453,6 +456,83 @@ def test_s3_a_data_file_refused_by_another_object_names_its_key(s3: Backend) -> 
             sink.commit()
         assert info.value.filename == path, repr(info.value)
     assert fs.cat_file(path) == b"another save's"
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("reads", ["ok", "failing"])
+def test_s3_an_overwrite_whose_manifest_reply_was_lost_keeps_its_files(
+    s3: Backend, moto_endpoint: str, reads: str
+) -> None:
+    """rev68c F1: an overwrite's ``If-Match`` manifest PUT lands, its reply is lost (500) and the retry is refused
+    (412) by that manifest, ours. Every 412 was "another save replaced it": with the manifest's GETs failing too,
+    the commit read no save id and removed this save's files under its own committed manifest (old generation
+    gone too, the checkpoint unloadable). Ours is recognised by its bytes; a failed read is an uncertain commit."""
+    from storage_faulty_proxy import FaultyProxy
+
+    base, opts = s3
+    url, old, new = f"{base}/ow-lost-{reads}", make_state(4), make_state(5)
+    dcp.save(old, storage_writer=FsspecStorageWriter(url, storage_options=opts))
+    landed: list[str] = []
+
+    def fail_after(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        if method == "PUT" and path.endswith("/smpckpt.manifest.json") and not landed:
+            landed.append(path)
+            return 500
+        return None
+
+    def should_fail(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        return 500 if reads == "failing" and landed and method == "GET" and path.endswith(".json") else None
+
+    with FaultyProxy(moto_endpoint, should_fail, fail_after=fail_after) as proxy:
+        w = FsspecStorageWriter(url, storage_options=_proxy_opts(opts, proxy.url, attempts=3), overwrite=True)
+        if reads == "ok":
+            dcp.save(new, storage_writer=w)
+        else:
+            with pytest.raises(CheckpointException) as info:
+                dcp.save(new, storage_writer=w)
+            err = unwrap(info.value)
+            assert isinstance(err, CommitUncertain) and url in str(err), repr(err)
+            assert "files are kept" in str(err) and "smpckpt.manifest.json" in str(err), str(err)
+    assert checkpoint_state(url, opts) == "committed"
+    assert_state_equal(new, roundtrip_load(new, url, opts))  # ours landed: the new generation, whole
+
+
+@pytest.mark.s3
+def test_s3_a_refused_commit_whose_manifest_cannot_be_read_keeps_its_files(s3: Backend, moto_endpoint: str) -> None:
+    """rev68c F1, the commit's half: another save's manifest replaces the one this overwrite saw (its ``If-Match``
+    PUT refused), then every read of the manifest fails. The commit took the failed read for another save id and
+    removed this save's files: they go only once a manifest naming another save was actually read."""
+    from storage_faulty_proxy import FaultyProxy
+
+    base, opts = s3
+    url, other_url = f"{base}/ow-taken", f"{base}/ow-other"
+    dcp.save(make_state(4), storage_writer=FsspecStorageWriter(url, storage_options=opts))
+    dcp.save(make_state(6), storage_writer=FsspecStorageWriter(other_url, storage_options=opts))
+    fs, path = open_fs(url, opts)
+    other = fs.cat_file(f"{open_fs(other_url, opts)[1]}/smpckpt.manifest.json")
+    before = set(_listing(url, opts))
+    state = {"planted": False, "gets": 0}
+
+    def should_fail(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        if method == "PUT" and path.endswith("/smpckpt.manifest.json") and not state["planted"]:
+            fs.pipe_file(f"{path.lstrip('/')}", other)  # the other save's commit lands just before ours
+            state["planted"] = True
+        elif method == "GET" and path.endswith("/smpckpt.manifest.json") and state["planted"]:
+            state["gets"] += 1
+            return 500 if state["gets"] > 1 else None  # replace_if's own check reads it; then reads fail
+        return None
+
+    with FaultyProxy(moto_endpoint, should_fail) as proxy:
+        w = FsspecStorageWriter(url, storage_options=_proxy_opts(opts, proxy.url, attempts=2), overwrite=True)
+        with pytest.raises(CheckpointException) as info:
+            dcp.save(make_state(5), storage_writer=w)
+    err = unwrap(info.value)
+    assert isinstance(err, CommitUncertain) and "files are kept" in str(err), repr(err)
+    assert "smpckpt.manifest.json" in str(err), str(err)
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{path}/smpckpt.manifest.json") == other
+    mine = set(_listing(url, opts)) - before
+    assert {n for n in mine if n.endswith(".distcp")} and {n for n in mine if n.startswith(".metadata.")}, mine
 
 
 @pytest.mark.s3

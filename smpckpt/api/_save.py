@@ -283,9 +283,10 @@ class PlannerCache:
 # -- full artifacts: save_full (all ranks write their shards into ``{out}/model*.safetensors``; rank 0 adds
 # user_content and commits; ``newest`` and retention are left alone) and resume_full (``partial=False``: each
 # rank reads only its shards' bytes of an artifact or a plain Hugging Face folder, then ``set_state_dict``)
-def full_url(root: str, tag: str) -> str:
-    """``{root}/{tag}``: the folder of a full checkpoint (``tag`` validated at the caller's edge)."""
-    if tag in (NEWEST_NAME, ABANDONED_NAME):  # the root's own files (a roll-back's record: README, "The Checkpointer")
+def full_url(root: str, tag: str, *, saving: bool = True) -> str:
+    """``{root}/{tag}``: the folder of a full checkpoint (``tag`` validated at the caller's edge). A resume
+    still reads an artifact saved as ``smpckpt.abandoned`` before that name was refused (rev68d F2)."""
+    if tag in (NEWEST_NAME, ABANDONED_NAME)[: 2 if saving else 1]:  # the root's own files (a roll-back's record)
         raise ValueError(f"{tag!r} cannot name a full checkpoint: {{path}}/{tag} is a file of the root's partial ones")
     return join_url(root, tag)
 
@@ -430,7 +431,7 @@ def resume_full(ctx: DistContext, req: ResumeRequest) -> Any:
     """(all ranks, arguments compared) Load a full artifact or Hugging Face folder into the model."""
     if req.model is None:
         raise ValueError("a resume from a full checkpoint (partial=False) needs model=")
-    url = full_url(req.root, req.tag) if req.tag is not None else req.root
+    url = full_url(req.root, req.tag, saving=False) if req.tag is not None else req.root
     # rank 0 reads the manifest once more (small): a user_content needing allow_pickle is refused before
     # the load writes into the model (a refusal at the decode, after it, left the model overwritten)
     pickled = ctx.on_coordinator(lambda: _pickled(url, req.storage_options))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
+import functools
 import logging
 import os
 import re
@@ -67,16 +68,18 @@ def drop_temp(dir_fd: int, tmp: str, where: str) -> None:
         log.warning("could not remove the temporary file %s: %s", join(where.rpartition("/")[0], tmp), exc)
 
 
-def _link_or_rename(dir_fd: int, tmp: str, base: str) -> None:
+def _link_or_rename(dir_fd: int, tmp: str, base: str, in_place: Callable[[], None] | None = None) -> None:
     """Give the temporary ``tmp`` the name ``base`` only if nothing is there (``FileExistsError``): a hard link,
-    or where the filesystem has none (some FUSE mounts) a rename replacing nothing. Created in place instead, a
-    kill between the create and the write left an empty manifest that blocked its tag for good."""
+    or where the filesystem has none (some FUSE mounts) an atomic rename replacing nothing (created in place,
+    a kill between the create and the write left an empty manifest that blocked its tag for good). Where
+    that is refused too, ``in_place`` (a publication's exclusive create: a check then the rename let two
+    racing commits of one tag both succeed, the later replacing the earlier, rev68d F1), else the check."""
     try:
         os.link(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     except OSError as exc:
         if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
             raise
-        nf.rename_noreplace(dir_fd, tmp, dir_fd, base)
+        nf.rename_noreplace(dir_fd, tmp, dir_fd, base, otherwise=in_place)
 
 
 def temp_name(base: str, tag: str = "tmp") -> str:
@@ -295,7 +298,8 @@ class Folder:
                 if replace:
                     os.replace(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 else:
-                    _link_or_rename(dir_fd, tmp, base)
+                    in_place = functools.partial(nf.create_at, dir_fd, base, data, sync=sync, where=where)
+                    _link_or_rename(dir_fd, tmp, base, in_place)
             finally:
                 drop_temp(dir_fd, tmp, where)
             if sync:

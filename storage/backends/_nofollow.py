@@ -244,17 +244,23 @@ _renameat2 = libc_function("renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_
 _RENAME_NOREPLACE = 1
 
 
-def rename_noreplace(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> None:
+def rename_noreplace(
+    src_dir_fd: int, src: str, dst_dir_fd: int, dst: str, *, otherwise: Callable[[], None] | None = None
+) -> None:
     """Rename ``src`` to ``dst`` only if nothing is at ``dst`` (``FileExistsError`` otherwise), atomically
     where the kernel offers ``renameat2(RENAME_NOREPLACE)`` (Linux: ext4, xfs, tmpfs, Lustre, ...).
-    Elsewhere (or where the filesystem refuses the flag) a check then ``rename``: a rename still never
-    replaces a non-empty folder, and the window left is between the check and the rename."""
+    Elsewhere (or where the filesystem refuses the flag) ``otherwise()`` when given, else a check then
+    ``rename``: a rename still never replaces a non-empty folder, and the window left is between the check
+    and the rename."""
     if _renameat2 is not None:
         if _renameat2(src_dir_fd, os.fsencode(src), dst_dir_fd, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
             return
         code = ctypes.get_errno()
         if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, getattr(errno, "EOPNOTSUPP", errno.ENOTSUP)):
             raise OSError(code, os.strerror(code), dst)
+    if otherwise is not None:
+        otherwise()
+        return
     try:
         os.stat(dst, dir_fd=dst_dir_fd, follow_symlinks=False)
     except FileNotFoundError:

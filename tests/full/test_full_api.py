@@ -364,6 +364,12 @@ def test_a_full_tag_naming_a_root_file_is_refused_before_writing(tmp_path: Any, 
     with pytest.raises(ValueError, match=rf"'{re.escape(tag)}' cannot name a full checkpoint"):
         save_checkpoint(str(tmp_path), tag, partial=False, model=m)
     assert os.listdir(tmp_path) == []
+    if tag == "smpckpt.abandoned":  # one an older version saved still resumes by its tag (rev68d F2)
+        save_checkpoint(str(tmp_path), "older", partial=False, model=m)
+        os.rename(tmp_path / "older", tmp_path / tag)
+        got, _ = trained_model(1)
+        resume_from_checkpoint(str(tmp_path), tag, partial=False, model=got)
+        assert_state_equal(m.state_dict(), got.state_dict())
 
 
 def test_strict_refuses_checkpoint_keys_the_model_lacks(tmp_path: Any) -> None:

@@ -7,6 +7,7 @@ saves: tests/full/test_full_exclusive.py; row 7: tests/api/test_api_reliability.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -819,3 +820,46 @@ def test_a_save_killed_writing_its_manifest_without_hard_links_never_blocks_its_
             assert_state_equal(new, roundtrip_load(new, url))
         else:
             assert checkpoint_state(url) == "committed" and verify_checkpoint(url).ok, url
+
+
+def test_without_links_or_renameat2_a_manifest_landing_during_a_publication_is_never_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev68d F1: links refused and ``renameat2`` too, a publication fell back to a check then ``rename``:
+    another save's manifest landing between the two was replaced, both saves reporting success. Now an
+    exclusive create in place. The other save lands at the worst moment for either: right after the check,
+    or right before the create."""
+    import fsspec
+
+    from smpckpt.storage.backends import _nofollow as nf
+    from smpckpt.storage.backends._folder import Folder
+
+    def no_link(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EPERM, "no hard links here")
+
+    real_stat, real_open = os.stat, os.open
+
+    def land() -> None:
+        (tmp_path / "m.json").write_bytes(b"theirs")
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if path == "m.json" and not (tmp_path / "m.json").exists():
+            land()  # after the check found nothing
+            raise FileNotFoundError(errno.ENOENT, "not there yet", path)
+        return real_stat(path, *args, **kwargs)
+
+    def open_(path: Any, *args: Any, **kwargs: Any) -> int:
+        if path == "m.json" and not (tmp_path / "m.json").exists():
+            land()  # just before the create
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", no_link)
+    monkeypatch.setattr(nf, "_renameat2", None)
+    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(os, "open", open_)
+    with Folder(fsspec.filesystem("file"), str(tmp_path)) as folder:
+        with pytest.raises(FileExistsError, match="m.json"):
+            folder.publish("m.json", b"ours", sync=False)
+    monkeypatch.undo()
+    assert (tmp_path / "m.json").read_bytes() == b"theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]  # no temporary left

@@ -6,7 +6,7 @@ The collectives (modelled on DCP's ``_DistWrapper``) run every step that can fai
 :meth:`DistContext.all_ok` or :meth:`DistContext.on_coordinator`, so a failure on one rank is an error on
 *every* rank, not a hang; without a process group each is the local call (rank 0 of a world of 1).
 
-``user_content``: one ``torch.save`` record inside the checkpoint (an :class:`~smpckpt.planners.ObjectBytes`),
+``user_content``: one ``torch.save`` record inside the checkpoint (an :class:`~smpckpt.planners.ObjectBuffer`: one copy),
 checksummed and committed with the tensors; the manifest says whether it needs ``allow_pickle``
 (:data:`PICKLED_KEY`), so a resume refuses it before the load. RNG states, per rank under ``rng.rank<r>.*``:
 torch CPU, CUDA, ``random`` and NumPy's legacy generator, as weights-only-safe values.

@@ -8,8 +8,8 @@ if __name__ != "smpckpt.planners":
 
 from smpckpt.planners._entries import ObjectBytes, dtensor_layout, likely_causes
 from smpckpt.planners.load import LoadReport, ParallelLoadPlanner, module_note
-from smpckpt.planners.save import ParallelSavePlanner, SaveReport
+from smpckpt.planners.save import ObjectBuffer, ParallelSavePlanner, SaveReport
 
 __all__ = ["ParallelSavePlanner", "ParallelLoadPlanner", "LoadReport", "SaveReport", "ObjectBytes", "likely_causes"]
-__all__ += ["module_note"]
+__all__ += ["module_note", "ObjectBuffer"]
 __all__ += ["dtensor_layout"]

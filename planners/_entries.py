@@ -36,8 +36,8 @@ Kind = Literal["tensor", "dtensor", "object"]
 
 
 class ObjectBytes(bytes):
-    """An object its owner already serialised (``torch.save`` bytes), stored as it is and loaded back
-    as ``ObjectBytes`` unpickled (its owner decodes it, weights-only); stock ``torch.load`` reads it."""
+    """An object its owner already serialised (``torch.save`` bytes), stored as it is and loaded back as its
+    bytes, not unpickled (its owner decodes them, weights-only); stock ``torch.load`` reads it."""
 
 
 #: values whose pickle says all there is to them (no tensor, no class of the user's)

@@ -36,7 +36,7 @@ from smpckpt.planners._value_digests import SAMPLES, value_digests
 
 __all__ = ["SAMPLES", "value_digests", "dtensor_values", "piece_id", "stage_keys", "check_replica_values"]
 __all__ += ["checked_codes", "detail_codes", "rank_values", "SPLIT_CODES", "stage_values"]
-__all__ += ["assign_owners", "replica_range", "KEYS_WAY", "RANK_WAY"]
+__all__ += ["assign_owners", "replica_range", "KEYS_WAY", "RANK_WAY", "check_held"]
 RANK_WAY = "listed in rank_local="  #: the refusals' way out for a planner's caller (the API names its own)
 KEYS_WAY = f"give per-rank values rank-unique keys {RANK_WAY}, and list keys only some ranks hold in held_by_some="
 
@@ -582,3 +582,15 @@ def replica_differences(layout: ParallelLayout, seen: Sequence[Mapping[str, str]
                 lines.append(f"{key!r}: " + ", ".join(f"{v} on {_ranks(rs)}" for v, rs in views.items()))
     more = f" ... ({len(lines) - shown} more)" if len(lines) > shown else ""
     return f"Differing: {'; '.join(lines[:shown])}{more}." if lines else ""
+
+
+def check_held(fresh: list[SavePlan], structure: list[SavePlan]) -> None:
+    """(coordinator) The ranks holding a ``held_by_some`` key (``held_values``) hold copies of it."""
+    found = _differing_pieces(fresh, structure, "held_values", "", "a piece (id {:#018x}) of a held_by_some key")
+    if found:
+        shown = "; ".join(f"ranks {a} and {b} differ on {what}" if what else f"(and {a} more)" for what, a, b in found)
+        raise ReplicaMismatch(
+            f"ranks holding a held_by_some key hold different values of it, and only one copy would be saved: "
+            f"{shown}. Its holders (DP ranks of one expert) must hold copies (checked on a sample of each tensor, "
+            "verify_replicas or not); a held key is saved whole, so a TP-split expert cannot be held"
+        )

@@ -472,7 +472,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         try:
             raw = isinstance(entry.value, ObjectBytes)
             safe = not self.allow_pickle
-            obj = ObjectBytes(value.read()) if raw else decode_object(value.read(), self._decoded, weights_only=safe)
+            obj = value.read() if raw else decode_object(value.read(), self._decoded, weights_only=safe)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpoint(
                 f"{entry.key}: the stored object needs arbitrary code to unpickle ({exc}). Load it with "

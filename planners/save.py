@@ -59,9 +59,9 @@ from smpckpt.planners._entries import (
 from smpckpt.planners._replica_values import (
     RANK_WAY,
     SPLIT_CODES,
-    _differing_pieces,
     assign_owners,
     check_duplicate_writers,
+    check_held,
     check_replica_digests,
     check_replica_values,
     checked_codes,
@@ -74,7 +74,11 @@ from smpckpt.planners._replica_values import (
 from smpckpt.storage.format._safe_pickle import warn_pickled
 
 __all__ = ["ParallelSavePlanner", "SaveReport", "check_replica_digests", "gather_ties"]
-__all__ += ["replica_digest", "dedup_plans", "global_save_plan", "tiling_errors"]
+__all__ += ["replica_digest", "dedup_plans", "global_save_plan", "tiling_errors", "ObjectBuffer"]
+
+
+class ObjectBuffer(io.BytesIO):
+    """An :class:`ObjectBytes` record in its owner's buffer (unchanged until the save is done), not copied."""
 
 
 def dedup_plans(plans: list[SavePlan], rank_local: Any) -> list[SavePlan]:
@@ -312,7 +316,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self.state_dict = state_dict
         self.dtensors = self.dtensor_layout(state_dict.get(RESERVED.model))
         self.is_coordinator = is_coordinator
-        self._object_bytes: dict[str, bytes] = {}
+        self._object_bytes: dict[str, bytes | ObjectBuffer] = {}
 
     # -- 2. local plan -----------------------------------------------------------------------------
     @gc_paused()
@@ -434,7 +438,13 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         for entry in self.entries.values():
             if entry.kind != "object":
                 continue
-            raw = bytes(entry.value) if isinstance(entry.value, ObjectBytes) else encode_object(entry.value, memo, odd)
+            value = entry.value
+            if isinstance(value, ObjectBuffer):
+                with value.getbuffer() as view:  # read in place, released: the writer takes it whole later
+                    digests[entry.key] = hashlib.sha1(view).hexdigest()
+                self._object_bytes[entry.key] = value
+                continue
+            raw = bytes(value) if isinstance(value, ObjectBytes) else encode_object(value, memo, odd)
             self._object_bytes[entry.key] = raw
             digests[entry.key] = hashlib.sha1(raw).hexdigest()
         if odd:  # stock DCP saves them too: a save says so, not the restart's load
@@ -449,7 +459,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         reused = self._cache.reuse_global(all_plans)
         if reused is not None:
             check_replica_values(all_plans, self._cache.all_plans or [], self.layout)
-            _check_held(all_plans, self._cache.all_plans or [])
+            check_held(all_plans, self._cache.all_plans or [])
             plans, empty, metadata = reused
             self.report = dataclasses.replace(self.report, cached=True) if self.report else None
             self.global_plan, self.metadata = plans, metadata
@@ -461,7 +471,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         check_replica_values(all_plans, full, self.layout)  # this save's values; cached plans' key lists
         tied = gather_ties(full)
         deduped = dedup_plans(full, self._rank_local)  # refuses held_by_some keys of another dtype or shape
-        _check_held(all_plans, full)
+        check_held(all_plans, full)
         plans, metadata, per_rank = global_save_plan(deduped)
         mappings: dict[str, Any] = {}
         original: dict[str, tuple[int, ...]] = {}
@@ -542,9 +552,13 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         entry = self.entries.get(write_item.index.fqn)
         if entry is None:
             raise SpecError(f"rank {self.rank} was asked to write {write_item.index.fqn!r}, which it does not hold")
-        if entry.kind == "object":
-            return io.BytesIO(self._object_bytes[entry.key])
-        return entry.value
+        if entry.kind != "object":
+            return entry.value
+        raw = self._object_bytes[entry.key]
+        if isinstance(raw, ObjectBuffer):
+            raw.seek(0)  # the writer reads it in place (getbuffer): a large user_content is not copied
+            return raw
+        return io.BytesIO(raw)
 
 
 #: a tensor split over both TP and DP is held by one rank: no replica to assign
@@ -558,18 +572,6 @@ def _replicated(entry: Entry, world: int) -> bool:
     if dt is None:
         return False
     return any(isinstance(p, Replicate) for p in dt.placements) or dt.device_mesh.size() < world
-
-
-def _check_held(fresh: list[SavePlan], structure: list[SavePlan]) -> None:
-    """(coordinator) The ranks holding a ``held_by_some`` key (``held_values``) hold copies of it."""
-    found = _differing_pieces(fresh, structure, "held_values", "", "a piece (id {:#018x}) of a held_by_some key")
-    if found:
-        shown = "; ".join(f"ranks {a} and {b} differ on {what}" if what else f"(and {a} more)" for what, a, b in found)
-        raise ReplicaMismatch(
-            f"ranks holding a held_by_some key hold different values of it, and only one copy would be saved: "
-            f"{shown}. Its holders (DP ranks of one expert) must hold copies (checked on a sample of each tensor, "
-            "verify_replicas or not); a held key is saved whole, so a TP-split expert cannot be held"
-        )
 
 
 def _carries_no_data(entry: Entry) -> bool:

@@ -6,7 +6,7 @@ The collectives (modelled on DCP's ``_DistWrapper``) run every step that can fai
 :meth:`DistContext.all_ok` or :meth:`DistContext.on_coordinator`, so a failure on one rank is an error on
 *every* rank, not a hang; without a process group each is the local call (rank 0 of a world of 1).
 
-``user_content``: one ``torch.save`` record inside the checkpoint (an :class:`~smpckpt.planners.ObjectBytes`),
+``user_content``: one ``torch.save`` record inside the checkpoint (an :class:`~smpckpt.planners.ObjectBuffer`: one copy),
 checksummed and committed with the tensors; the manifest says whether it needs ``allow_pickle``
 (:data:`PICKLED_KEY`), so a resume refuses it before the load. RNG states, per rank under ``rng.rank<r>.*``:
 torch CPU, CUDA, ``random`` and NumPy's legacy generator, as weights-only-safe values.
@@ -38,6 +38,7 @@ from smpckpt._checks import check_process_group
 from smpckpt.errors import LOADED_IN_PLACE, CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
 from smpckpt.model.layout import RESERVED, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
+from smpckpt.planners import ObjectBuffer
 
 __all__ = ["DistContext", "RankError", "digest", "OPTIONS", "CommonRequest", "check_state", "train_state"]
 __all__ += ["encode_user_content", "decode_user_content", "describe_user_content", "refuse_pickled", "PICKLED_KEY"]
@@ -469,23 +470,23 @@ def _taken_as_is(optimizers: tuple[torch.optim.Optimizer, ...]) -> Iterator[None
 # -- user_content and RNG states: the rest of the state a save stores and a resume restores -----------
 
 
-def encode_user_content(user_content: Any, *, stacklevel: int = 1) -> tuple[bytes, bool]:
-    """``(torch.save bytes, loads weights-only)``; a warning now, not at the resume, when it will not load
+def encode_user_content(user_content: Any, *, stacklevel: int = 1) -> tuple[ObjectBuffer, bool]:
+    """``(torch.save bytes, loads weights-only)``, the bytes in the buffer torch.save wrote (one copy of a large
+    user_content, read in place after); a warning now, not at the resume, when it will not load
     weights-only (``stacklevel``: 1 is this function's caller)."""
-    buf = io.BytesIO()
+    buf = ObjectBuffer()
     try:
         torch.save(user_content, buf)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise TypeError(f"user_content cannot be serialised with torch.save: {exc}") from exc
-    data = buf.getvalue()
-    weights_only = _loads_weights_only(data)
+    weights_only = _loads_weights_only(buf)
     if not weights_only:
         warnings.warn(
             "user_content holds objects weights-only loading rejects; resuming it will need allow_pickle=True. "
             "Prefer dicts of tensors, numbers, strings and lists.",
             stacklevel=stacklevel + 1,
         )
-    return data, weights_only
+    return buf, weights_only
 
 
 PICKLED_KEY = "user_content_pickle"  #: the manifest's flag: user_content needs allow_pickle (absent: saved before it)
@@ -506,15 +507,17 @@ def describe_user_content(user_content: Any, pickled: bool) -> dict[str, Any]:
     return {"user_content_type": type(user_content).__name__, "user_content_keys": keys, PICKLED_KEY: pickled}
 
 
-def _loads_weights_only(data: bytes) -> bool:
+def _loads_weights_only(buf: io.BytesIO) -> bool:
     """The resume's own check, run on the saved bytes (tensors land on ``meta``: no copy of their data)."""
     try:
-        torch.load(io.BytesIO(data), weights_only=True, map_location="meta")
+        buf.seek(0)
+        torch.load(buf, weights_only=True, map_location="meta")
     except pickle.UnpicklingError:
         return False
     except Exception:  # noqa: BLE001 - a tensor kind meta cannot hold: try it as the resume loads it
         try:
-            torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            buf.seek(0)
+            torch.load(buf, weights_only=True, map_location="cpu")
         except pickle.UnpicklingError:
             return False
     return True

@@ -131,7 +131,7 @@ def _stamp(
     # warns when it needs allow_pickle, at the caller's line: below it Checkpointer.save or save_checkpoint,
     # Checkpointer._save, all_ok (and its lambda), build_save_state (or save_full's build), this function
     payload, safe = encode_user_content(user_content, stacklevel=7)
-    state[RESERVED.user_content] = ObjectBytes(payload)
+    state[RESERVED.user_content] = payload  # an ObjectBuffer: written as torch.save left it, not copied
     seq = counter.next()
     return manifest_extra(api, tag, seq, user_content, not safe, **fields, **(counter.record() if record else {}))
 

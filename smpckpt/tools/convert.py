@@ -202,7 +202,7 @@ def convert_checkpoint(
             # manifest says whether it needs allow_pickle, so a resume refuses before loading anything
             content = state[RESERVED.user_content]
             data, weights_only = encode_user_content(content, stacklevel=2)
-            state[RESERVED.user_content] = ObjectBytes(data)
+            state[RESERVED.user_content] = ObjectBytes(data.getbuffer())
             extra = describe_user_content(content, not weights_only)
         writer = FsspecStorageWriter(
             out_url,

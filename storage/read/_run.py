@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch
 from smpckpt.storage.backends._fs import join
 from smpckpt.storage.format._columns import Into
-from smpckpt.storage.format._reading import Fetch, c_strides
+from smpckpt.storage.format._reading import Fetch, c_strides, range_boxes
 from smpckpt.storage.format._safe_pickle import check_weights_only
 from smpckpt.storage.format._staging import DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
@@ -148,6 +148,15 @@ class _BoxPart:
     @property
     def file(self) -> str:
         return self.box.file
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _FetchPart(FetchTask):
+    """Whole check units of one item too large for a request (``fetch.needs`` is that item alone) whose
+    destination cannot take its bytes as they are: read into a pooled buffer like any fetch, its elements
+    copied into their place (:meth:`ReadRun._deliver_part`); ``entry`` commits the item after its last part."""
+
+    entry: _OpenItem
 
 
 _Task = FetchTask | _DirectBatch | _BoxPart
@@ -286,7 +295,8 @@ class ReadRun:
             need = w.need
             target = self.planner.resolve_tensor(need.item.req).detach()
             dst = writable_bytes(need.item, target) if in_place(target) else None
-            if dst is None:  # not a destination the stored bytes can be read into as they are
+            # not a destination the stored bytes can be read into as they are (a larger piece: parts below)
+            if dst is None and need.end - need.start <= self.max_request_bytes:
                 f = held.fetch if held is not None else None
                 if held is not None and f is not None and f.start <= need.start <= f.end:
                     end = max(f.end, need.end)  # widened neighbours may share a check block
@@ -306,13 +316,48 @@ class ReadRun:
             if held is not None:
                 yield handed(held)
                 held = None
-            spans = pieces(self.records.get(w.file), need.start, need.end)
-            entry = _OpenItem(need.item, target, len(spans))
-            self._add(w.file, need.end - need.start, 0)  # requests counted per batch (_batched)
-            for lo, hi in spans:
-                yield handed(_DirectBatch(w.file, (entry,), (DirectPart(need.item, dst, lo, hi),), w.scattered))
+            yield from map(handed, self._fetch_parts(w, target) if dst is None else self._direct(w, target, dst))
         if held is not None:
             yield handed(held)
+
+    def _direct(self, w: DirectCandidate, target: torch.Tensor, dst: memoryview) -> list[_Task]:
+        """(calling thread) A candidate read straight into its destination's bytes ``dst``, in pieces of
+        about :data:`PIECE_BYTES` (:meth:`_batched` merges them into requests)."""
+        need = w.need
+        spans = pieces(self.records.get(w.file), need.start, need.end)
+        entry = _OpenItem(need.item, target, len(spans))
+        self._add(w.file, need.end - need.start, 0)  # requests counted per batch (_batched)
+        return [_DirectBatch(w.file, (entry,), (DirectPart(need.item, dst, lo, hi),), w.scattered) for lo, hi in spans]
+
+    def _fetch_parts(self, w: DirectCandidate, target: torch.Tensor) -> list[_Task]:
+        """(calling thread) A candidate larger than ``max_request_bytes`` whose destination cannot take its
+        bytes in place, as parts of whole check units of at most :data:`PIECE_BYTES` and that (a unit
+        larger than that alone), each cut on an element of the item, so a CUDA load or a strided merge
+        never holds a host buffer of the whole piece."""
+        need, it = w.need, w.need.item
+        if it.dtype is None or target.size() != torch.Size([int(n) for n in it.req.lengths]):
+            raise LayoutMismatch(
+                f"{it.fqn!r}: destination {list(target.size())} vs stored slice {list(it.req.lengths)}"
+            )
+        limit, isz = min(PIECE_BYTES, self.max_request_bytes), it.dtype.itemsize
+        rec = self.records.get(w.file)
+        if rec is not None:
+            ends = (rec.block_ends[i] for i in rec.blocks_covering(need.start, need.end))
+            cuts = [e for e in ends if it.start < e < it.end and (e - it.start) % isz == 0 and rec.is_cut(e)]
+        else:  # not verified: the item's own bytes, cut anywhere between elements
+            cuts = list(range(it.start + limit - limit % isz, it.end, max(isz, limit - limit % isz)))
+        spans, start, last = [], need.start, need.start
+        for c in [*cuts, need.end]:
+            if c - start > limit and last > start:
+                spans.append((start, last))
+                start = last
+            last = c
+        spans.append((start, need.end))
+        entry = _OpenItem(it, target, len(spans))
+        for lo, hi in spans:
+            self._add(w.file, hi - lo, 1)
+        scattered = [False] * (len(spans) - 1) + [w.scattered]  # only the last part ends where the piece does
+        return [_FetchPart(w.file, Fetch(lo, hi, (need,)), s, entry=entry) for (lo, hi), s in zip(spans, scattered)]
 
     def _box_parts(self, box: BoxRead) -> Iterator[_BoxPart]:
         """(calling thread) A box's tasks: whole row groups of about :data:`PIECE_BYTES` each, so several
@@ -398,6 +443,11 @@ class ReadRun:
             return
         if not isinstance(data, memoryview):  # pragma: no cover - _execute returns the buffer of a fetch
             raise CheckpointError(f"internal: fetch of {task.file} returned {type(data)}")
+        if isinstance(task, _FetchPart):
+            self._deliver_part(task, data)
+            self.pool.give_back(data)
+            self._count_down(task.entry)
+            return
         f = task.fetch
         for need in f.needs:
             it = need.item
@@ -422,6 +472,20 @@ class ReadRun:
         if dst.size() != src.size():
             raise LayoutMismatch(f"{box.item.fqn!r}: destination {list(dst.size())} vs stored rows {list(src.size())}")
         self.copies.copy(dst, src)
+
+    def _deliver_part(self, part: _FetchPart, data: memoryview) -> None:
+        """The item's elements among a part's bytes (``data``, from ``part.fetch.start``) copied into their
+        place in the destination, a box at a time (a partial row, whole rows, a partial row)."""
+        it, f, target = part.entry.item, part.fetch, part.entry.target
+        a, b = max(f.start, it.start), min(f.end, it.end)
+        flat = _flat(data[a - f.start : b - f.start], it)
+        pos, first = 0, (a - it.start) // flat.element_size()
+        for offsets, lengths in range_boxes([int(n) for n in it.req.lengths], first, first + flat.numel()):
+            dst = target
+            for dim, (off, n) in enumerate(zip(offsets, lengths)):
+                dst = dst.narrow(dim, off, n)
+            self.copies.copy(dst, flat[pos : pos + dst.numel()].view(lengths))
+            pos += dst.numel()
 
     def _deliver(self, it: Item, data: memoryview) -> None:
         req, planner = it.req, self.planner
@@ -507,14 +571,26 @@ def _decode_raw(it: Item, data: memoryview, row_bytes: int = 0, rows: int | None
     """The requested slice as a tensor over ``data`` (which starts at the slice's first element); rows
     (dim 0) are ``row_bytes`` apart in ``data`` when given (a box read), else as stored; only the first
     ``rows`` rows of the slice when given (a part of a box)."""
-    dtype = it.dtype
-    if dtype is None:  # pragma: no cover - raw items always carry one (raw_item)
-        raise CheckpointError(f"internal: raw record of {it.fqn!r} has no dtype")
     lengths = [int(n) for n in it.req.lengths]
     if rows is not None:
         lengths[0] = rows
     if any(n == 0 for n in lengths):
-        return torch.empty(lengths, dtype=dtype)
+        return torch.empty(lengths, dtype=it.dtype)
+    flat = _flat(data, it)
+    if not it.chunk_sizes:
+        return flat.reshape(())
+    # data starts at the slice's first element: index the chunk's strides from there
+    strides = c_strides(it.chunk_sizes)
+    if row_bytes:
+        strides[0] = row_bytes // flat.element_size()
+    return flat.as_strided(lengths, strides)
+
+
+def _flat(data: memoryview, it: Item) -> torch.Tensor:
+    """``data`` as a flat tensor of the raw item's dtype."""
+    dtype = it.dtype
+    if dtype is None:  # pragma: no cover - raw items always carry one (raw_item)
+        raise CheckpointError(f"internal: raw record of {it.fqn!r} has no dtype")
     with warnings.catch_warnings():
         # read-only buffers (bytes from object stores) are only read from here, never written
         warnings.simplefilter("ignore", UserWarning)
@@ -523,11 +599,4 @@ def _decode_raw(it: Item, data: memoryview, row_bytes: int = 0, rows: int | None
         # Records are packed back to back, so an item can start at any byte offset of the buffer; torch
         # copies some dtypes assuming their alignment (complex128: SIGSEGV, measured), so move it first.
         raw = raw.clone()  # a fresh allocation: aligned for every dtype
-    flat = raw.view(dtype)
-    if not it.chunk_sizes:
-        return flat.reshape(())
-    # data starts at the slice's first element: index the chunk's strides from there
-    strides = c_strides(it.chunk_sizes)
-    if row_bytes:
-        strides[0] = row_bytes // flat.element_size()
-    return flat.as_strided(lengths, strides)
+    return raw.view(dtype)

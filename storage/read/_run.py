@@ -17,7 +17,8 @@ verifying them overlaps other reads. Task kinds:
   rows where the planner's cost model says so (``_plan.streams``), columns copied out (``_fetch.read_box``).
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
-read as a buffered fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner is
+read as a buffered fetch instead, in parts of whole check units (:class:`_FetchPart`) when it is larger
+than ``max_request_bytes``. At most ``2 * thread_count`` tasks are in flight, so the planner is
 asked for destinations only shortly before their bytes are read. ``reads_in_flight`` below
 ``thread_count`` lets that many workers read at a time, in the stream's order (:class:`InOrder`).
 """
@@ -271,7 +272,8 @@ class ReadRun:
         destination under the CPU stand-in) is read into a pooled buffer instead; such candidates that
         follow each other in the file share one request within ``max_request_bytes`` and, as in
         :meth:`_batched`, half the file's bytes not yet handed out (at least :data:`TAPER_FLOOR`). The
-        request is ``scattered`` as the candidate reaching its end is."""
+        request is ``scattered`` as the candidate reaching its end is. One larger than ``max_request_bytes``
+        is read in parts (:meth:`_fetch_parts`), not into a buffer of its size."""
         held: FetchTask | None = None  # buffered candidates not yet handed out, merged so far
         left = sum(w.nbytes for w in work)  # bytes of this file's work not yet handed out
 
@@ -354,10 +356,11 @@ class ReadRun:
             last = c
         spans.append((start, need.end))
         entry = _OpenItem(it, target, len(spans))
-        for lo, hi in spans:
-            self._add(w.file, hi - lo, 1)
-        scattered = [False] * (len(spans) - 1) + [w.scattered]  # only the last part ends where the piece does
-        return [_FetchPart(w.file, Fetch(lo, hi, (need,)), s, entry=entry) for (lo, hi), s in zip(spans, scattered)]
+        self._add(w.file, need.end - need.start, len(spans))
+        # only the last part can be followed by bytes this load does not read
+        return [
+            _FetchPart(w.file, Fetch(lo, hi, (need,)), w.scattered and hi == need.end, entry=entry) for lo, hi in spans
+        ]
 
     def _box_parts(self, box: BoxRead) -> Iterator[_BoxPart]:
         """(calling thread) A box's tasks: whole row groups of about :data:`PIECE_BYTES` each, so several

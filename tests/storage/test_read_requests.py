@@ -68,8 +68,8 @@ def test_neighbouring_items_share_one_request(
 # CPU stand-in of the device stage, every destination): read into pooled buffers, neighbours merged up
 # to limit_mib per request and, as straight into destinations (above), at most half the bytes left down
 # to 16 MiB -- 64 -> 20 + 16 + 4, 16 -> 16 + 16 + 8, 1 -> two per item (larger than the cap: cut into
-# parts of it; one request of its whole size until fix68e). Before merging, every item was a request of
-# its own: 20 at every limit.
+# parts of it; it was one request and buffer of its whole size). Before merging, every item was a
+# request of its own: 20 at every limit.
 @pytest.mark.parametrize(("limit_mib", "requests"), [(64, 3), (16, 3), (1, 40)])
 def test_neighbouring_items_staged_for_a_device_share_one_request(
     tmp_path: Any, verify: bool, limit_mib: int, requests: int, monkeypatch: pytest.MonkeyPatch

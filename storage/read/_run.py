@@ -153,9 +153,8 @@ class _BoxPart:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _FetchPart(FetchTask):
-    """Whole check units of one item too large for a request (``fetch.needs`` is that item alone) whose
-    destination cannot take its bytes as they are: read into a pooled buffer like any fetch, its elements
-    copied into their place (:meth:`ReadRun._deliver_part`); ``entry`` commits the item after its last part."""
+    """Whole check units of an item too large for one request whose destination cannot take its bytes as
+    they are (``fetch.needs``: that item alone); ``entry`` commits the item after its last part."""
 
     entry: _OpenItem
 
@@ -297,8 +296,7 @@ class ReadRun:
             need = w.need
             target = self.planner.resolve_tensor(need.item.req).detach()
             dst = writable_bytes(need.item, target) if in_place(target) else None
-            # not a destination the stored bytes can be read into as they are (a larger piece: parts below)
-            if dst is None and need.end - need.start <= self.max_request_bytes:
+            if dst is None and need.end - need.start <= self.max_request_bytes:  # not in place (larger: parts)
                 f = held.fetch if held is not None else None
                 if held is not None and f is not None and f.start <= need.start <= f.end:
                     end = max(f.end, need.end)  # widened neighbours may share a check block
@@ -323,8 +321,7 @@ class ReadRun:
             yield handed(held)
 
     def _direct(self, w: DirectCandidate, target: torch.Tensor, dst: memoryview) -> list[_Task]:
-        """(calling thread) A candidate read straight into its destination's bytes ``dst``, in pieces of
-        about :data:`PIECE_BYTES` (:meth:`_batched` merges them into requests)."""
+        """(calling thread) A candidate read straight into its destination's bytes ``dst``, in pieces."""
         need = w.need
         spans = pieces(self.records.get(w.file), need.start, need.end)
         entry = _OpenItem(need.item, target, len(spans))
@@ -333,9 +330,8 @@ class ReadRun:
 
     def _fetch_parts(self, w: DirectCandidate, target: torch.Tensor) -> list[_Task]:
         """(calling thread) A candidate larger than ``max_request_bytes`` whose destination cannot take its
-        bytes in place, as parts of whole check units of at most :data:`PIECE_BYTES` and that (a unit
-        larger than that alone), each cut on an element of the item, so a CUDA load or a strided merge
-        never holds a host buffer of the whole piece."""
+        bytes in place, as parts of whole check units (each cut between elements of the item) of at most
+        :data:`PIECE_BYTES` and that: a CUDA load or strided merge never buffers the whole piece."""
         need, it = w.need, w.need.item
         if it.dtype is None or target.size() != torch.Size([int(n) for n in it.req.lengths]):
             raise LayoutMismatch(
@@ -484,9 +480,7 @@ class ReadRun:
         flat = _flat(data[a - f.start : b - f.start], it)
         pos, first = 0, (a - it.start) // flat.element_size()
         for offsets, lengths in range_boxes([int(n) for n in it.req.lengths], first, first + flat.numel()):
-            dst = target
-            for dim, (off, n) in enumerate(zip(offsets, lengths)):
-                dst = dst.narrow(dim, off, n)
+            dst = target[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
             self.copies.copy(dst, flat[pos : pos + dst.numel()].view(lengths))
             pos += dst.numel()
 

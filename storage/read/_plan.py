@@ -15,13 +15,13 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage.format._check_units import Tiling
-from smpckpt.storage.format._columns import REQUEST_COST_BYTES, streams
+from smpckpt.storage.format._columns import REQUEST_COST_BYTES, Into, streams
 from smpckpt.storage.format._reading import Fetch, Need, coalesce, cpu_bytes, slice_byte_range
 from smpckpt.storage.format.manifest import FileRecord
 
 __all__ = ["BoxRead", "box_read", "DIRECT_MIN_BYTES", "PIECE_BYTES", "ROW_GAP", "ROWS_PER_CALL", "REQUEST_COST_BYTES"]
 __all__ += ["streams", "Item", "FetchTask", "DirectCandidate", "ReadPlan", "raw_item", "plan_reads", "writable_bytes"]
-__all__ += ["pieces"]
+__all__ += ["pieces", "box_destination", "item_destination"]
 
 # raw tensor items at least this large skip the shared buffer (read into the destination tensor)
 DIRECT_MIN_BYTES = 1 << 20
@@ -353,3 +353,34 @@ def box_read(it: Item, rec: FileRecord | None, *, verify: bool, spans: bool = Fa
         return None
     rows = (row0 // t.rows_per_group * t.rows_per_group, min(t.rows, (row1 // t.rows_per_group + 1) * t.rows_per_group))
     return BoxRead(it.file, it, base, row_bytes, rows[0], rows[1], g0 * t.segment, g1 * t.segment, t)
+
+
+def box_destination(box: BoxRead, target: torch.Tensor) -> memoryview | None:
+    """The destination's bytes when the box's rows can be read straight into them: the box is exactly
+    the item's rows and columns (tile columns that match the slice), each row of the slice one run, and
+    the destination a contiguous CPU tensor of the saved dtype and the slice's shape."""
+    it = box.item
+    r0, r1, c0 = box.item_rows()
+    if (r0, r1, c0) != (box.row0, box.row1, box.col0) or it.dtype is None:
+        return None
+    lengths = [int(n) for n in it.req.lengths]
+    if math.prod(lengths[1:]) * it.dtype.itemsize != box.width:
+        return None
+    return writable_bytes(it, target, box.nbytes)
+
+
+def item_destination(box: BoxRead, target: torch.Tensor) -> Into | None:
+    """The destination's bytes as rows of the item's slice, when a streamed box's rows can be copied into
+    them as stored: a contiguous CPU tensor of the saved dtype and the slice's shape, the slice two
+    dimensions or more whose rows are each one run of the record's rows."""
+    it = box.item
+    if it.dtype is None or not it.chunk_sizes:
+        return None
+    lengths = [int(n) for n in it.req.lengths]
+    width = math.prod(lengths[1:]) * it.dtype.itemsize
+    r0, r1, c0 = box.item_rows()
+    # each destination row one run of the record row: trailing dimensions whole past the first
+    if list(it.chunk_sizes[2:]) != lengths[2:] or r1 - r0 != lengths[0] or c0 + width > box.row_bytes:
+        return None
+    dst = writable_bytes(it, target, lengths[0] * width)
+    return Into(dst, r0, width, c0) if dst is not None else None

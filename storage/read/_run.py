@@ -19,7 +19,8 @@ verifying them overlaps other reads. Task kinds:
   many bytes per part and request, verified, its columns copied into the destination on the worker.
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
-read as a buffered fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner is
+read as a buffered fetch instead, in parts of whole check units (:class:`_FetchPart`) when it is larger
+than ``max_request_bytes``. At most ``2 * thread_count`` tasks are in flight, so the planner is
 asked for destinations only shortly before their bytes are read. ``reads_in_flight`` below
 ``thread_count`` lets that many workers read at a time, in the stream's order (:class:`InOrder`).
 """
@@ -31,7 +32,6 @@ import contextlib
 import dataclasses
 import heapq
 import io
-import math
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch
 from smpckpt.storage.backends._fs import is_local, join
 from smpckpt.storage.format._columns import Into
-from smpckpt.storage.format._reading import Fetch, c_strides
+from smpckpt.storage.format._reading import Fetch, c_strides, range_boxes
 from smpckpt.storage.format._safe_pickle import check_weights_only
 from smpckpt.storage.format._staging import DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
@@ -55,6 +55,8 @@ from smpckpt.storage.read._plan import (
     FetchTask,
     Item,
     ReadPlan,
+    box_destination,
+    item_destination,
     pieces,
     writable_bytes,
 )
@@ -150,6 +152,14 @@ class _BoxPart:
     @property
     def file(self) -> str:
         return self.box.file
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _FetchPart(FetchTask):
+    """Whole check units of an item too large for one request whose destination cannot take its bytes as
+    they are (``fetch.needs``: that item alone); ``entry`` commits the item after its last part."""
+
+    entry: _OpenItem
 
 
 _Task = FetchTask | _DirectBatch | _BoxPart
@@ -265,7 +275,8 @@ class ReadRun:
         destination under the CPU stand-in) is read into a pooled buffer instead; such candidates that
         follow each other in the file share one request within ``max_request_bytes`` and, as in
         :meth:`_batched`, half the file's bytes not yet handed out (at least :data:`TAPER_FLOOR`). The
-        request is ``scattered`` as the candidate reaching its end is."""
+        request is ``scattered`` as the candidate reaching its end is. One larger than ``max_request_bytes``
+        is read in parts (:meth:`_fetch_parts`), not into a buffer of its size."""
         held: FetchTask | None = None  # buffered candidates not yet handed out, merged so far
         left = sum(w.nbytes for w in work)  # bytes of this file's work not yet handed out
 
@@ -289,7 +300,7 @@ class ReadRun:
             need = w.need
             target = self.planner.resolve_tensor(need.item.req).detach()
             dst = writable_bytes(need.item, target) if in_place(target) else None
-            if dst is None:  # not a destination the stored bytes can be read into as they are
+            if dst is None and need.end - need.start <= self.max_request_bytes:  # not in place (larger: parts)
                 f = held.fetch if held is not None else None
                 if held is not None and f is not None and f.start <= need.start <= f.end:
                     end = max(f.end, need.end)  # widened neighbours may share a check block
@@ -309,13 +320,47 @@ class ReadRun:
             if held is not None:
                 yield handed(held)
                 held = None
-            spans = pieces(self.records.get(w.file), need.start, need.end)
-            entry = _OpenItem(need.item, target, len(spans))
-            self._add(w.file, need.end - need.start, 0)  # requests counted per batch (_batched)
-            for lo, hi in spans:
-                yield handed(_DirectBatch(w.file, (entry,), (DirectPart(need.item, dst, lo, hi),), w.scattered))
+            yield from map(handed, self._fetch_parts(w, target) if dst is None else self._direct(w, target, dst))
         if held is not None:
             yield handed(held)
+
+    def _direct(self, w: DirectCandidate, target: torch.Tensor, dst: memoryview) -> list[_Task]:
+        """(calling thread) A candidate read straight into its destination's bytes ``dst``, in pieces."""
+        need = w.need
+        spans = pieces(self.records.get(w.file), need.start, need.end)
+        entry = _OpenItem(need.item, target, len(spans))
+        self._add(w.file, need.end - need.start, 0)  # requests counted per batch (_batched)
+        return [_DirectBatch(w.file, (entry,), (DirectPart(need.item, dst, lo, hi),), w.scattered) for lo, hi in spans]
+
+    def _fetch_parts(self, w: DirectCandidate, target: torch.Tensor) -> list[_Task]:
+        """(calling thread) A candidate larger than ``max_request_bytes`` whose destination cannot take its
+        bytes in place, as parts of whole check units (each cut between elements of the item) of at most
+        :data:`PIECE_BYTES` and that: a CUDA load or strided merge never buffers the whole piece."""
+        need, it = w.need, w.need.item
+        if it.dtype is None or target.size() != torch.Size([int(n) for n in it.req.lengths]):
+            raise LayoutMismatch(
+                f"{it.fqn!r}: destination {list(target.size())} vs stored slice {list(it.req.lengths)}"
+            )
+        limit, isz = min(PIECE_BYTES, self.max_request_bytes), it.dtype.itemsize
+        rec = self.records.get(w.file)
+        if rec is not None:
+            ends = (rec.block_ends[i] for i in rec.blocks_covering(need.start, need.end))
+            cuts = [e for e in ends if it.start < e < it.end and (e - it.start) % isz == 0 and rec.is_cut(e)]
+        else:  # not verified: the item's own bytes, cut anywhere between elements
+            cuts = list(range(it.start + limit - limit % isz, it.end, max(isz, limit - limit % isz)))
+        spans, start, last = [], need.start, need.start
+        for c in [*cuts, need.end]:
+            if c - start > limit and last > start:
+                spans.append((start, last))
+                start = last
+            last = c
+        spans.append((start, need.end))
+        entry = _OpenItem(it, target, len(spans))
+        self._add(w.file, need.end - need.start, len(spans))
+        # only the last part can be followed by bytes this load does not read
+        return [
+            _FetchPart(w.file, Fetch(lo, hi, (need,)), w.scattered and hi == need.end, entry=entry) for lo, hi in spans
+        ]
 
     def _box_parts(self, box: BoxRead) -> Iterator[_BoxPart]:
         """(calling thread) A box's tasks: whole row groups of about :data:`PIECE_BYTES` each, so several
@@ -429,6 +474,11 @@ class ReadRun:
             return
         if not isinstance(data, memoryview):  # pragma: no cover - _execute returns the buffer of a fetch
             raise CheckpointError(f"internal: fetch of {task.file} returned {type(data)}")
+        if isinstance(task, _FetchPart):
+            self._deliver_part(task, data)
+            self.pool.give_back(data)
+            self._count_down(task.entry)
+            return
         f = task.fetch
         for need in f.needs:
             it = need.item
@@ -453,6 +503,18 @@ class ReadRun:
         if dst.size() != src.size():
             raise LayoutMismatch(f"{box.item.fqn!r}: destination {list(dst.size())} vs stored rows {list(src.size())}")
         self.copies.copy(dst, src)
+
+    def _deliver_part(self, part: _FetchPart, data: memoryview) -> None:
+        """The item's elements among a part's bytes (``data``, from ``part.fetch.start``) copied into their
+        place in the destination, a box at a time (a partial row, whole rows, a partial row)."""
+        it, f, target = part.entry.item, part.fetch, part.entry.target
+        a, b = max(f.start, it.start), min(f.end, it.end)
+        flat = _flat(data[a - f.start : b - f.start], it)
+        pos, first = 0, (a - it.start) // flat.element_size()
+        for offsets, lengths in range_boxes([int(n) for n in it.req.lengths], first, first + flat.numel()):
+            dst = target[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+            self.copies.copy(dst, flat[pos : pos + dst.numel()].view(lengths))
+            pos += dst.numel()
 
     def _deliver(self, it: Item, data: memoryview) -> None:
         req, planner = it.req, self.planner
@@ -495,37 +557,6 @@ class ReadRun:
         planner.commit_tensor(req, target)
 
 
-def box_destination(box: BoxRead, target: torch.Tensor) -> memoryview | None:
-    """The destination's bytes when the box's rows can be read straight into them: the box is exactly
-    the item's rows and columns (tile columns that match the slice), each row of the slice one run, and
-    the destination a contiguous CPU tensor of the saved dtype and the slice's shape."""
-    it = box.item
-    r0, r1, c0 = box.item_rows()
-    if (r0, r1, c0) != (box.row0, box.row1, box.col0) or it.dtype is None:
-        return None
-    lengths = [int(n) for n in it.req.lengths]
-    if math.prod(lengths[1:]) * it.dtype.itemsize != box.width:
-        return None
-    return writable_bytes(it, target, box.nbytes)
-
-
-def item_destination(box: BoxRead, target: torch.Tensor) -> Into | None:
-    """The destination's bytes as rows of the item's slice, when a streamed box's rows can be copied into
-    them as stored: a contiguous CPU tensor of the saved dtype and the slice's shape, the slice two
-    dimensions or more whose rows are each one run of the record's rows."""
-    it = box.item
-    if it.dtype is None or not it.chunk_sizes:
-        return None
-    lengths = [int(n) for n in it.req.lengths]
-    width = math.prod(lengths[1:]) * it.dtype.itemsize
-    r0, r1, c0 = box.item_rows()
-    # each destination row one run of the record row: trailing dimensions whole past the first
-    if list(it.chunk_sizes[2:]) != lengths[2:] or r1 - r0 != lengths[0] or c0 + width > box.row_bytes:
-        return None
-    dst = writable_bytes(it, target, lengths[0] * width)
-    return Into(dst, r0, width, c0) if dst is not None else None
-
-
 def _work_key(w: FetchTask | DirectCandidate | BoxRead) -> tuple[str, int, int]:
     if isinstance(w, FetchTask):
         return (w.file, w.fetch.start, 0)
@@ -538,14 +569,26 @@ def _decode_raw(it: Item, data: memoryview, row_bytes: int = 0, rows: int | None
     """The requested slice as a tensor over ``data`` (which starts at the slice's first element); rows
     (dim 0) are ``row_bytes`` apart in ``data`` when given (a box read), else as stored; only the first
     ``rows`` rows of the slice when given (a part of a box)."""
-    dtype = it.dtype
-    if dtype is None:  # pragma: no cover - raw items always carry one (raw_item)
-        raise CheckpointError(f"internal: raw record of {it.fqn!r} has no dtype")
     lengths = [int(n) for n in it.req.lengths]
     if rows is not None:
         lengths[0] = rows
     if any(n == 0 for n in lengths):
-        return torch.empty(lengths, dtype=dtype)
+        return torch.empty(lengths, dtype=it.dtype)
+    flat = _flat(data, it)
+    if not it.chunk_sizes:
+        return flat.reshape(())
+    # data starts at the slice's first element: index the chunk's strides from there
+    strides = c_strides(it.chunk_sizes)
+    if row_bytes:
+        strides[0] = row_bytes // flat.element_size()
+    return flat.as_strided(lengths, strides)
+
+
+def _flat(data: memoryview, it: Item) -> torch.Tensor:
+    """``data`` as a flat tensor of the raw item's dtype."""
+    dtype = it.dtype
+    if dtype is None:  # pragma: no cover - raw items always carry one (raw_item)
+        raise CheckpointError(f"internal: raw record of {it.fqn!r} has no dtype")
     with warnings.catch_warnings():
         # read-only buffers (bytes from object stores) are only read from here, never written
         warnings.simplefilter("ignore", UserWarning)
@@ -554,11 +597,4 @@ def _decode_raw(it: Item, data: memoryview, row_bytes: int = 0, rows: int | None
         # Records are packed back to back, so an item can start at any byte offset of the buffer; torch
         # copies some dtypes assuming their alignment (complex128: SIGSEGV, measured), so move it first.
         raw = raw.clone()  # a fresh allocation: aligned for every dtype
-    flat = raw.view(dtype)
-    if not it.chunk_sizes:
-        return flat.reshape(())
-    # data starts at the slice's first element: index the chunk's strides from there
-    strides = c_strides(it.chunk_sizes)
-    if row_bytes:
-        strides[0] = row_bytes // flat.element_size()
-    return flat.as_strided(lengths, strides)
+    return raw.view(dtype)

@@ -10,6 +10,7 @@ buffer is never refilled before its write and its hash are done. Real-CUDA versi
 from __future__ import annotations
 
 import math
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from storage_helpers import assert_state_equal
+from storage_helpers import assert_state_equal, unwrap
+from torch.distributed.checkpoint.api import CheckpointException
 
+from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._reading import range_boxes
@@ -137,6 +140,52 @@ def test_strided_destinations_and_column_slices_load_through_the_stand_in(tmp_pa
     layout = ParallelLayout(tp=4)
     sim_load([dest], [ParallelLoadPlanner(layout, {"w": ShardSpec(1)}, rank=2)], [FsspecStorageReader(str(tmp_path))])
     assert torch.equal(dest["w"], full[:, 2048:3072])
+
+
+@pytest.mark.parametrize("dest", ["device", "strided"])
+@pytest.mark.parametrize("cols", [1024, 1000])  # 1000: parts end inside rows (a partial row, rows, a partial row)
+def test_a_piece_larger_than_max_request_bytes_is_read_in_requests_of_at_most_that(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dest: str, cols: int
+) -> None:
+    # one 1M x 768 fp32 embedding resumed into a CUDA model (or merged TP=2 -> 1 by columns on the CPU)
+    # took a host buffer of its whole 2.86 GiB (README: buffers of up to max_request_bytes)
+    from smpckpt.storage.read import _fetch
+
+    cap = 1 << 20
+    full = torch.arange(1024 * cols, dtype=torch.int32).view(1024, cols).view(torch.float32)  # 4 MiB
+    dcp.save({"w": full}, storage_writer=FsspecStorageWriter(str(tmp_path)))
+    asked: list[int] = []
+    take = _fetch.BufferPool.take
+
+    def counted(self: _fetch.BufferPool, n: int) -> bytearray:
+        asked.append(n)
+        return take(self, n)
+
+    monkeypatch.setattr(_fetch.BufferPool, "take", counted)
+    if dest == "device":
+        monkeypatch.setenv("SMPCKPT_TEST_DEVICE", "cpu")  # every destination goes the CUDA way
+        target = torch.zeros(1024, cols)
+    else:
+        target = torch.zeros(cols, 1024).t()  # strided: the stored bytes cannot land in it as they are
+    reader = FsspecStorageReader(str(tmp_path), max_request_bytes=cap)
+    dcp.load({"w": target}, storage_reader=reader)
+    assert torch.equal(target.view(torch.int32), full.view(torch.int32))
+    assert asked and max(asked) <= cap, (
+        f"read buffers of {[n >> 10 for n in asked]} KiB with max_request_bytes of 1 MiB"
+    )
+    stats = reader.last_read_stats
+    assert stats is not None and stats.bytes_requested == full.nbytes  # every byte read once
+    # each part verified: a byte flipped in the third fails the load, naming the file and the key
+    (info,) = FsspecStorageReader(str(tmp_path)).read_metadata().storage_data.values()
+    with open(tmp_path / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length * 5 // 8)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(CheckpointException) as failed:
+        dcp.load({"w": target}, storage_reader=FsspecStorageReader(str(tmp_path), max_request_bytes=cap))
+    assert isinstance(unwrap(failed.value), CheckpointCorrupt)
+    assert re.search(rf"{info.relative_path}: checksum mismatch .*\['w'\]", str(unwrap(failed.value)))
 
 
 def test_chunks_end_on_row_groups_and_small_tensors_share_buffers(tmp_path: Path, stand_in: None) -> None:

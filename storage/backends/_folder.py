@@ -23,20 +23,21 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
+import fcntl
 import functools
 import logging
 import os
 import re
 import stat
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from smpckpt.storage.backends import _nofollow as nf
 from smpckpt.storage.backends._fs import _protocol, file_sizes, is_local, is_s3, join, translate_errors
 from smpckpt.storage.backends._sinks import FsspecSink, LocalSink, Sink
 
-__all__ = ["Folder", "precondition", "drop_temp", "temp_name", "is_temp_name", "write_bytes_atomic"]
+__all__ = ["Folder", "precondition", "temp_name", "is_temp_name", "write_bytes_atomic"]
 __all__ += ["create_bytes_exclusive", "remove_files", "remove_tree"]
 
 
@@ -54,32 +55,6 @@ def precondition(exc: BaseException) -> bool:
             return True
         e = e.__cause__ if e is not None else None
     return False
-
-
-def drop_temp(dir_fd: int, tmp: str, where: str) -> None:
-    """Remove a temporary name after its file was linked or renamed into place (or failed to be). A name
-    that cannot be removed must not turn a landed write into a reported failure: it is debris (prune
-    removes it), named in a warning."""
-    try:
-        os.unlink(tmp, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("could not remove the temporary file %s: %s", join(where.rpartition("/")[0], tmp), exc)
-
-
-def _link_or_rename(dir_fd: int, tmp: str, base: str, in_place: Callable[[], None] | None = None) -> None:
-    """Give the temporary ``tmp`` the name ``base`` only if nothing is there (``FileExistsError``): a hard link,
-    or where the filesystem has none (some FUSE mounts) an atomic rename replacing nothing (created in place,
-    a kill between the create and the write left an empty manifest that blocked its tag for good). Where
-    that is refused too, ``in_place`` (a publication's exclusive create: a check then the rename let two
-    racing commits of one tag both succeed, the later replacing the earlier, rev68d F1), else the check."""
-    try:
-        os.link(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-    except OSError as exc:
-        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-            raise
-        nf.rename_noreplace(dir_fd, tmp, dir_fd, base, otherwise=in_place)
 
 
 def temp_name(base: str, tag: str = "tmp") -> str:
@@ -271,9 +246,9 @@ class Folder:
                 if replace:
                     os.replace(tmp_base, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 else:
-                    _link_or_rename(dir_fd, tmp_base, base)
+                    nf.link_noreplace(dir_fd, tmp_base, base)
             finally:
-                drop_temp(dir_fd, tmp_base, self.where(name))
+                nf.drop_temp(dir_fd, tmp_base, self.where(name))
             if sync:
                 os.fsync(dir_fd)
 
@@ -299,16 +274,18 @@ class Folder:
                     os.replace(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 else:
                     in_place = functools.partial(nf.create_at, dir_fd, base, data, sync=sync, where=where)
-                    _link_or_rename(dir_fd, tmp, base, in_place)
+                    nf.link_noreplace(dir_fd, tmp, base, in_place)
             finally:
-                drop_temp(dir_fd, tmp, where)
+                nf.drop_temp(dir_fd, tmp, where)
             if sync:
                 os.fsync(dir_fd)
 
     def replace_if(self, name: str, data: bytes, expect: bytes, *, sync: bool) -> None:
         """Replace ``name`` with ``data`` only while it still holds ``expect`` (what a save saw when it
         began), else ``FileExistsError``. S3: the object's ETag is read with it and the PUT names it
-        (``If-Match``): exact. POSIX: compared just before the rename (a narrow window remains)."""
+        (``If-Match``): exact. POSIX: compared and renamed under ``flock`` of the folder (two processes'
+        overwrites both succeeded in the window between: rev68f F1); where the filesystem has no ``flock``
+        (Lustre mounted without ``-o flock``), a narrow window remains."""
         where = self.where(name)
         if self.s3:
             from smpckpt.storage.backends._s3 import get_object, get_object_and_etag
@@ -329,9 +306,30 @@ class Folder:
                         raise FileExistsError(errno.EEXIST, "another save replaced it meanwhile", where) from exc
             self.fs.invalidate_cache(where)
             return
-        if self.read(name) != expect:
-            raise FileExistsError(errno.EEXIST, "another save replaced it meanwhile", where)
-        self.publish(name, data, sync=sync, replace=True)
+        with self._locked(name):
+            if self.read(name) != expect:
+                raise FileExistsError(errno.EEXIST, "another save replaced it meanwhile", where)
+            self.publish(name, data, sync=sync, replace=True)
+
+    @contextlib.contextmanager
+    def _locked(self, name: str) -> Iterator[None]:
+        """(local disk) ``flock`` of ``name``'s folder, held by one open of it at a time (a process's, or
+        another ``Folder``'s in this one); nothing where the filesystem refuses it."""
+        if not self.local:
+            yield
+            return
+        dir_fd = self._at(name)[0]
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                raise
+            yield
+            return
+        try:
+            yield
+        finally:
+            fcntl.flock(dir_fd, fcntl.LOCK_UN)
 
     # -- reading what the commit checks ------------------------------------------------------------------
     def read(self, name: str) -> bytes | None:

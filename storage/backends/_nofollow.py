@@ -21,7 +21,8 @@ from typing import Any, cast
 from smpckpt.errors import UnsafeCheckpoint
 
 __all__ = ["DIR_FLAGS", "NEW_FLAGS", "open_dir_at", "open_parent_and_name", "create_at", "open_new_at"]
-__all__ += ["remove_tree_at", "rename_noreplace", "walk_sizes", "libc_function", "MAX_DEPTH"]
+__all__ += ["remove_tree_at", "rename_noreplace", "walk_sizes", "libc_function", "MAX_DEPTH", "drop_temp"]
+__all__ += ["link_noreplace"]
 
 log = logging.getLogger(__name__)
 
@@ -267,3 +268,29 @@ def rename_noreplace(
         os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
         return
     raise FileExistsError(errno.EEXIST, "exists", dst)
+
+
+def drop_temp(dir_fd: int, tmp: str, where: str) -> None:
+    """Remove a temporary name after its file was linked or renamed into place (or failed to be). A name
+    that cannot be removed must not turn a landed write into a reported failure: it is debris (prune
+    removes it), named in a warning."""
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove the temporary file %s/%s: %s", where.rpartition("/")[0], tmp, exc)
+
+
+def link_noreplace(dir_fd: int, tmp: str, base: str, in_place: Callable[[], None] | None = None) -> None:
+    """Give the temporary ``tmp`` the name ``base`` only if nothing is there (``FileExistsError``): a hard link,
+    or where the filesystem has none (some FUSE mounts) an atomic rename replacing nothing (created in place,
+    a kill between the create and the write left an empty manifest that blocked its tag for good). Where
+    that is refused too, ``in_place`` (a publication's exclusive create: a check then the rename let two
+    racing commits of one tag both succeed, the later replacing the earlier, rev68d F1), else the check."""
+    try:
+        os.link(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        rename_noreplace(dir_fd, tmp, dir_fd, base, otherwise=in_place)

@@ -44,3 +44,48 @@ def test_a_data_file_gone_before_the_commit_fails_the_save(tmp_path: Path, damag
     assert isinstance(err, CheckpointError)
     assert "missing or cut short at the commit" in str(err) and "nothing was committed" in str(err)
     assert checkpoint_state(url) == "uncommitted"
+
+
+def test_two_overwrites_of_one_manifest_on_local_disk_never_both_succeed(tmp_path: Path) -> None:
+    """rev68f F1: an overwrite compared the manifest and renamed its own into place with nothing held
+    between: two processes' overwrites of one tag both read the old manifest, both renamed, both reported
+    success (the earlier one's checkpoint silently replaced). Compared and renamed under the folder's
+    ``flock`` now: the second sees the first's manifest and is refused. Two ``Folder`` opens stand for the
+    two processes (``flock`` excludes across opens, in one process too)."""
+    import threading
+
+    import fsspec
+
+    from smpckpt.storage.backends._folder import Folder
+
+    fs = fsspec.filesystem("file")
+    (tmp_path / "m.json").write_bytes(b"old")
+    inside, go, results = threading.Event(), threading.Event(), {}
+    with Folder(fs, str(tmp_path)) as first, Folder(fs, str(tmp_path)) as second:
+        publish = first.publish
+
+        def held_publish(*args: Any, **kwargs: Any) -> None:  # the first is between its compare and rename
+            inside.set()
+            go.wait(10)
+            publish(*args, **kwargs)
+
+        first.publish = held_publish  # type: ignore[method-assign]
+
+        def overwrite(folder: Folder, data: bytes) -> None:
+            try:
+                folder.replace_if("m.json", data, b"old", sync=False)
+                results[data] = "ok"
+            except FileExistsError as exc:
+                results[data] = f"refused: {exc}"
+
+        a = threading.Thread(target=overwrite, args=(first, b"first"))
+        a.start()
+        assert inside.wait(10)
+        b = threading.Thread(target=overwrite, args=(second, b"second"))
+        b.start()
+        b.join(0.5)  # (without the lock the second commits here, in the first's window)
+        go.set()
+        a.join(10)
+        b.join(10)
+    assert results[b"first"] == "ok" and results[b"second"].startswith("refused"), results
+    assert (tmp_path / "m.json").read_bytes() == b"first"

@@ -257,6 +257,8 @@ def _write_manifest(
             found = folder.read(MANIFEST_NAME)
             other = Manifest.from_bytes(found).save_id if found is not None else None
         except (CheckpointError, OSError) as err:
+            if folder.local:  # a refused link is certain there: the manifest in place is not this save's
+                raise CheckpointExists(f"{url}: {refused} (its manifest unreadable: {err})") from exc
             raise CommitUncertain(
                 f"{url}: the commit was refused, and the manifest in place could not be read ({type(err).__name__}: "
                 f"{err}): this save's own (a request whose reply was lost) or another's; this save's files are "
@@ -266,8 +268,8 @@ def _write_manifest(
             return
         if discard and other is None:
             raise CheckpointExists(
-                f"{url}: another save's manifest refused this commit and is gone since (a removal ran meanwhile?); "
-                "this save's files are kept and nothing is committed here"
+                f"{url}: the manifest in place refused this commit and was removed since (a prune, retention or "
+                "remove_checkpoint ran meanwhile); nothing is committed here: save it again"
             ) from exc
         if discard:
             failed = folder.remove(discard)

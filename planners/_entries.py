@@ -28,7 +28,7 @@ from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_dense
 from smpckpt.model.layout import RESERVED, KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 
-__all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "same_bits", "tied_entries"]
+__all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "tied_entries"]
 __all__ += ["likely_causes", "encode_object", "decode_object"]
 
 
@@ -37,7 +37,10 @@ Kind = Literal["tensor", "dtensor", "object"]
 
 class ObjectBytes(bytes):
     """An object its owner already serialised (``torch.save`` bytes), stored as it is and loaded back as its
-    bytes, not unpickled (its owner decodes them, weights-only); stock ``torch.load`` reads it."""
+    bytes, not unpickled (its owner decodes them, weights-only); stock ``torch.load`` reads it. Loaded back
+    as ``ObjectBytes``, a copy; a subclass with ``as_read`` (a resume's user_content) takes the bytes read."""
+
+    as_read = False
 
 
 #: values whose pickle says all there is to them (no tensor, no class of the user's)
@@ -511,17 +514,6 @@ def dtensor_is_owner(entry: Entry) -> bool:
             index = index * size + coordinate[dim]
             count *= size
     return index == zlib.crc32(entry.key.encode()) % count
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (a NaN equals itself, -0.0 is not +0.0): one tensor written twice is the same bytes."""
-    if a.numel() != b.numel() or a.dtype != b.dtype:
-        return False
-    a, b = a.reshape(-1), b.reshape(-1)
-    if a.dtype.is_floating_point:
-        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return bool(torch.equal(a.view(as_int), b.view(as_int)))
-    return bool(torch.equal(a, b))
 
 
 def gather_ties(plans: list[SavePlan]) -> dict[str, str]:

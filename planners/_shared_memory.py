@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from smpckpt.errors import LayoutMismatch
 from smpckpt.model.layout import RESERVED
-from smpckpt.planners._entries import Entry, same_bits
+from smpckpt.planners._entries import Entry
 
 __all__ = ["SharedMemoryLoads", "TiedLoads"]
 
@@ -380,3 +380,14 @@ def _same_object(a: Any, b: Any) -> bool:
     except (RuntimeError, TypeError, ValueError):  # containers of tensors: compared as printed
         pass
     return type(a) is type(b) and repr(a) == repr(b)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (a NaN equals itself, -0.0 is not +0.0): one tensor written twice is the same bytes."""
+    if a.numel() != b.numel() or a.dtype != b.dtype:
+        return False
+    a, b = a.reshape(-1), b.reshape(-1)
+    if a.dtype.is_floating_point:
+        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return bool(torch.equal(a.view(as_int), b.view(as_int)))
+    return bool(torch.equal(a, b))

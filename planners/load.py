@@ -473,6 +473,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             raw = isinstance(entry.value, ObjectBytes)
             safe = not self.allow_pickle
             obj = value.read() if raw else decode_object(value.read(), self._decoded, weights_only=safe)
+            obj = ObjectBytes(obj) if raw and not entry.value.as_read else obj  # rev68g F1: re-saved as it is
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpoint(
                 f"{entry.key}: the stored object needs arbitrary code to unpickle ({exc}). Load it with "

@@ -275,3 +275,27 @@ def test_a_save_names_the_objects_its_resume_loads_only_with_allow_pickle(tmp_pa
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             save_checkpoint(tmp_path, "plain", model=plain, optimizer=opt, options=SaveOptions(overwrite=True))
+
+
+def test_an_object_bytes_record_loads_back_as_object_bytes_and_saves_again_as_it_is(tmp_path: Path) -> None:
+    """rev68g F1: through the planners, an ``ObjectBytes`` record came back as plain ``bytes`` (fix68b, to
+    spare a resume's user_content a copy): saved again it was pickled as an object (its record then decoded
+    to ``bytes``), and a second load into the same state unpickled it."""
+    from smpckpt import ParallelLayout
+    from smpckpt.planners import ObjectBytes, ParallelLoadPlanner, ParallelSavePlanner
+
+    buf = io.BytesIO()
+    torch.save({"ema": torch.arange(5.0)}, buf)
+    record, layout = ObjectBytes(buf.getvalue()), ParallelLayout()
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    dcp.save(
+        {"blob": record}, storage_writer=FileSystemWriter(first), planner=ParallelSavePlanner(layout), no_dist=True
+    )
+    state: dict[str, Any] = {"blob": ObjectBytes(b"")}
+    for _ in range(2):  # the second load into the same state: the bytes again, not the object
+        dcp.load(state, storage_reader=FileSystemReader(first), planner=ParallelLoadPlanner(layout), no_dist=True)
+        assert type(state["blob"]) is ObjectBytes and state["blob"] == record
+    dcp.save(dict(state), storage_writer=FileSystemWriter(second), planner=ParallelSavePlanner(layout), no_dist=True)
+    again: dict[str, Any] = {"blob": ObjectBytes(b"")}
+    dcp.load(again, storage_reader=FileSystemReader(second), planner=ParallelLoadPlanner(layout), no_dist=True)
+    assert again["blob"] == record

@@ -39,6 +39,14 @@ from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 __all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
 __all__ += ["load_checkpoint", "apply_state", "stateless_at_save", "InventedState"]
 __all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "in_place"]
+__all__ += ["RecordSlot"]
+
+
+class RecordSlot(ObjectBytes):
+    """A resume's user_content placeholder: the record comes back as the bytes read (no copy: fix68b)."""
+
+    as_read = True
+
 
 log = logging.getLogger("smpckpt.api")
 
@@ -213,7 +221,7 @@ def resume_state(
         layout = dtensor_layout(state.get(RESERVED.model))
         if callable(req.opts.translate_function):  # the model loads what the function returns: loaded aside
             state[RESERVED.model] = aside(state[RESERVED.model])
-        state[RESERVED.user_content] = ObjectBytes(b"")  # placeholder: the stored record lands here, undecoded
+        state[RESERVED.user_content] = RecordSlot(b"")  # placeholder: the stored record lands here, undecoded
         return layout
 
     # every rank's DTensor layout comes back in the agreement's own collective: every rank decides alike

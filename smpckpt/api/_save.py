@@ -44,6 +44,7 @@ from smpckpt.api._dist import (
 )
 from smpckpt.api._resume import (
     InventedState,
+    RecordSlot,
     ResumeRequest,
     apply_state,
     init_missing_state,
@@ -66,7 +67,7 @@ from smpckpt.catalog.root import (
 )
 from smpckpt.errors import CheckpointError, LayoutMismatch, ReplicaMismatch
 from smpckpt.model.layout import API_RECORD, FULL_API_RECORD, RESERVED
-from smpckpt.planners import ObjectBytes, ParallelSavePlanner
+from smpckpt.planners import ParallelSavePlanner
 from smpckpt.planners._replica_values import KEYS_WAY, RANK_WAY, replica_differences
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter, probe_checkpoint
 from smpckpt.storage.write._base import FsspecWriterBase
@@ -443,7 +444,7 @@ def resume_full(ctx: DistContext, req: ResumeRequest) -> Any:
             return _tensor_state(req, True, destinations=True)
 
         state = ctx.all_ok(destinations)
-        state[RESERVED.user_content] = ObjectBytes(b"")
+        state[RESERVED.user_content] = RecordSlot(b"")
         reader = FsspecStorageReader(
             url,
             storage_options=req.storage_options,

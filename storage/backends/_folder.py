@@ -284,8 +284,8 @@ class Folder:
         """Replace ``name`` with ``data`` only while it still holds ``expect`` (what a save saw when it
         began), else ``FileExistsError``. S3: the object's ETag is read with it and the PUT names it
         (``If-Match``): exact. POSIX: compared and renamed under ``flock`` of the folder (two processes'
-        overwrites both succeeded in the window between: rev68f F1); where the filesystem has no ``flock``
-        (Lustre mounted without ``-o flock``), a narrow window remains."""
+        overwrites both succeeded in the window between: rev68f F1), which excludes one node's processes;
+        across nodes on NFS, or on Lustre without ``-o flock``, a narrow window remains."""
         where = self.where(name)
         if self.s3:
             from smpckpt.storage.backends._s3 import get_object, get_object_and_etag

@@ -257,13 +257,17 @@ def _write_manifest(
             found = folder.read(MANIFEST_NAME)
             other = Manifest.from_bytes(found).save_id if found is not None else None
         except (CheckpointError, OSError) as err:
-            if folder.local:  # a refused link is certain there: the manifest in place is not this save's
-                raise CheckpointExists(f"{url}: {refused} (its manifest unreadable: {err})") from exc
-            raise CommitUncertain(
-                f"{url}: the commit was refused, and the manifest in place could not be read ({type(err).__name__}: "
-                f"{err}): this save's own (a request whose reply was lost) or another's; this save's files are "
-                "kept: `smpckpt ls` tells whether it committed"
-            ) from exc
+            if not folder.local:
+                raise CommitUncertain(
+                    f"{url}: the commit was refused, and the manifest in place could not be read ({type(err).__name__}: "
+                    f"{err}): this save's own (a request whose reply was lost) or another's; this save's files are "
+                    "kept: `smpckpt ls` tells whether it committed"
+                ) from exc
+            # a refused link is certain on POSIX: the manifest in place (torn: another save's, mid-write) is not ours
+            other, refused = (
+                "",
+                f"a manifest in place, unreadable ({err}), refused this commit; this save's files were removed",
+            )
         if other == manifest.save_id:
             return
         if discard and other is None:

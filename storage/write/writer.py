@@ -244,7 +244,8 @@ class FsspecStorageWriter(FsspecWriterBase):
                     stock_metadata=md_bytes,
                     old_files=self._old_files,
                     refused="another save committed a checkpoint here while this one was writing; this save's "
-                    "files were removed and the other checkpoint is untouched (pass overwrite=True to replace it)",
+                    "files were removed and the other checkpoint is untouched"
+                    + ("" if self._replacing is not None else " (pass overwrite=True to replace it)"),
                     discard=[f.name for f in files] + [manifest.metadata.name],
                     # an overwrite of a committed checkpoint of ours (a legacy folder's .metadata is its
                     # only metadata: never dropped before the swap)

@@ -89,3 +89,26 @@ def test_two_overwrites_of_one_manifest_on_local_disk_never_both_succeed(tmp_pat
         b.join(10)
     assert results[b"first"] == "ok" and results[b"second"].startswith("refused"), results
     assert (tmp_path / "m.json").read_bytes() == b"first"
+
+
+class _TornBeforeUs(FsspecStorageWriter):
+    """Another save's manifest, created in place and half written (the exclusive fallback where links and
+    ``renameat2`` are refused), is there just before this save's commit."""
+
+    def _write_manifest(self, data: bytes) -> None:
+        with open(os.path.join(self.path, "smpckpt.manifest.json"), "xb") as f:
+            f.write(data[: len(data) // 2])
+        super()._write_manifest(data)
+
+
+def test_a_commit_refused_by_an_unreadable_manifest_on_local_disk_removes_its_files_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """rev68h F1: such a refusal is certain on POSIX (not this save's manifest): it said "this save's files were
+    removed" while it kept them, and named the torn manifest another save's committed checkpoint."""
+    url = str(tmp_path / "c")
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(make_state(), storage_writer=_TornBeforeUs(url))
+    err = unwrap(info.value)
+    assert isinstance(err, CheckpointError) and "a manifest in place, unreadable" in str(err), err
+    assert sorted(os.listdir(url)) == ["smpckpt.manifest.json"]  # this save's data and metadata removed

@@ -22,7 +22,7 @@ from typing import Any
 
 from smpckpt.api._async import GlooGroups, Lane, wait_logged
 from smpckpt.api._dist import DistContext, peer_failures
-from smpckpt.api._drain import drain, path_down, read_drained
+from smpckpt.api._drain import drain, is_drained, path_down, read_drained
 from smpckpt.api._fast_resume import Loaded, choose_tier, lineage_for, load_tiered, runs_for
 from smpckpt.api._resume import ResumeRequest
 from smpckpt.api._save import SaveRequest, run_save
@@ -224,7 +224,8 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
             log.warning(said)
             warnings.warn(said, stacklevel=4)
             # as known, else as node 0 recorded its drains (else retention warns they "never reached" path)
-            recorded = {c.seq for c in candidates(views) if c.tag in read_drained(job)}
+            done = read_drained(job)
+            recorded = {c.seq for c in candidates(views) if is_drained(done, c.tag, c.order[2])}
             drained, part.counter.offline = memory.durable or max(recorded, default=0), True
         seq = 1 + max(tier_seq(views), drained)
         with memory.lock:  # a drain of this Checkpointer still copying it is not pending: it is running

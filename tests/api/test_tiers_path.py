@@ -53,6 +53,28 @@ def test_an_emptied_path_refuses_the_old_runs_fast_copies_by_name(tmp_path: Path
     assert info is not None and (info.tag, info.tier) == ("s2", "fast") and _same(new, old)
 
 
+def test_a_new_runs_save_of_a_drained_tag_name_is_not_the_drain(tmp_path: Path) -> None:
+    """rev68b F1: the record matched tags by name: path emptied, a new run without the fast tier saving 's1'
+    (other weights) made resume() load the old run's 's3' from the fast tier silently. Each drain is recorded
+    with its save id: refused, naming path and 's3'. A record of tags only (an older version's) matches by
+    name, as before."""
+    durable, fast = tmp_path / "durable", tmp_path / "fast"
+    for s in (1, 2, 3):
+        save_checkpoint(durable, f"s{s}", model=_linear(s), options=FastTier(local_path=str(fast), replicas=1))
+    wait_for_saves()
+    shutil.rmtree(durable)
+    save_checkpoint(durable, "s1", model=_linear(100))
+    with pytest.raises(CheckpointNotFound) as got:
+        resume_from_checkpoint(durable, model=_linear(9), options=FastTier(local_path=str(fast)))
+    for part in (str(durable), "'s3'", "'s1'", "tag="):
+        assert part in str(got.value), (part, str(got.value))
+    (_job(fast, durable) / "smpckpt.drained.json").write_text('{"drained": ["s3", "s2", "s1"]}')
+    new = _linear(9)
+    resume_from_checkpoint(durable, model=new, options=FastTier(local_path=str(fast)))
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s3", "fast") and _same(new, _linear(3))
+
+
 def test_a_restart_with_path_intact_or_never_drained_resumes_the_fast_tier(tmp_path: Path) -> None:
     """Not the emptied case: path holds the recorded drain (s2; s3 newer, in the fast tier only), or no drain
     was due yet (durable_every=5: path empty, nothing recorded)."""

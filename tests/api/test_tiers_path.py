@@ -3,7 +3,11 @@ copies silently) and an unreachable one (an object store's outage: the fast tier
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import socket
+import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -156,6 +160,64 @@ def test_while_path_is_unreachable_saves_go_to_the_fast_tier(
     )
     info = last_resume_info()
     assert info is not None and (info.tag, info.tier) == ("s4", "durable") and _same(got, m3)
+
+
+def test_a_hung_path_stalls_no_save_and_the_due_save_drains_once_it_answers(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """rev68b F2, F3: with path's endpoint hung (connections accepted, never answered) a due save's drain
+    started anyway, its copiers blocking for retries x timeouts and the next save waiting for them (minutes
+    at 1 s timeouts); each save also read path's ``newest`` again, paying its timeouts. Now while path does
+    not answer the due save is kept pending, not drained, and ``newest`` is not read; path back, the next
+    save drains it and path's resume is bit-exact."""
+    root, options = s3_root
+    hole, asked = socket.socket(), []
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+
+    def accept() -> None:  # the requests' first lines: what each save asked of the hung path
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = hole.accept()
+                asked.append(conn.recv(4096).split(b"\r\n")[0].decode())
+
+    threading.Thread(target=accept, daemon=True).start()
+    cfg = {"connect_timeout": 0.2, "read_timeout": 0.2, "retries": {"max_attempts": 1, "mode": "standard"}}
+    client = {**options["client_kwargs"], "endpoint_url": f"http://127.0.0.1:{hole.getsockname()[1]}"}
+    hung = {**options, "client_kwargs": client, "config_kwargs": cfg}
+    fast, models = str(tmp_path / "fast"), {s: _linear(s) for s in range(1, 6)}
+
+    def save(s: int, opts: dict[str, Any]) -> float:
+        began = time.monotonic()
+        save_checkpoint(
+            Location(root, storage_options=opts),
+            f"s{s}",
+            model=models[s],
+            options=FastTier(local_path=fast, replicas=1, durable_every=2),
+        )
+        return time.monotonic() - began
+
+    save(1, options), save(2, options)
+    wait_for_saves()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            took = [save(3, hung), save(4, hung)]  # s4 due: pending
+            began = time.monotonic()
+            wait_for_saves()  # no drain in flight
+            took.append(time.monotonic() - began)
+    finally:
+        hole.close()
+    assert max(took) < 20, (took, asked)
+    assert not [a for a in asked if "newest" in a or not a.startswith("GET")], asked
+    save(5, options)  # path back: s5 (not due) drains s4
+    wait_for_saves()
+    got = _linear(9)
+    resume_from_checkpoint(
+        Location(root, storage_options=options), model=got, options=FastTier(local_path=str(tmp_path / "e"))
+    )
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s4", "durable") and _same(got, models[4])
 
 
 def test_a_save_past_the_outage_never_drains_over_a_committed_tag(

@@ -236,8 +236,7 @@ def test_a_save_past_the_outage_never_drains_over_a_committed_tag(
         save_checkpoint(
             Location(root, storage_options=down), "x", model=_linear(2), options=FastTier(local_path=fast, replicas=1)
         )
-        with pytest.raises(CheckpointError, match="draining checkpoint 'x'"):
-            wait_for_saves()
+        wait_for_saves()  # x, due, is not drained while path is down (rev68b F2): pending
         with pytest.warns(UserWarning, match="'x'.*cannot be drained.*x_partial holds another checkpoint"):
             save_checkpoint(
                 Location(root, storage_options=options),

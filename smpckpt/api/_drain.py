@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from smpckpt.api._fast_save import PendingDrain, TierPlan
     from smpckpt.catalog.root import ManifestCache
 
-__all__ = ["drain", "copiers", "holders_of", "JOB_DRAINED", "read_drained", "path_down"]
+__all__ = ["drain", "copiers", "holders_of", "JOB_DRAINED", "read_drained", "is_drained", "path_down"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -52,30 +52,39 @@ _PART = DEFAULT_PART_SIZE  # bytes per S3 part of a durable copy (the writers' d
 # want many requests in flight (the fast tier sized these files to about one request each)
 _FILES_AT_ONCE = MappingProxyType({True: 4, False: 16})
 _PARTS_IN_FLIGHT = 2  # per file, on object stores
-#: in a node's job folder: ``{"drained": [tag, ...]}``, the newest tags its drains committed to ``path``
-#: (newest first): a resume finding none of them there refuses the fast copies (an emptied path: tiers68 F2)
+#: in a node's job folder: ``{"drained": [tag, ...], "ids": {tag: save id}}``, the newest tags its drains
+#: committed to ``path`` (newest first) and each one's save: a resume finding none of those saves there refuses
+#: the fast copies (an emptied path: tiers68 F2; a new run's save of a recorded tag name is another save: rev68b F1)
 JOB_DRAINED = "smpckpt.drained.json"
 _DRAINED_KEPT = 8  # more than path's retention ever removes at once from a job's newest drains
 
 
-def read_drained(job: str) -> list[str]:
-    """The tags a job folder records as drained to ``path``, newest first (none: no record, an older version's)."""
+def read_drained(job: str) -> dict[str, str]:
+    """The tags a job folder records as drained to ``path``, newest first, each with its save id (``""``: an
+    older version's record, tags only; none: no record)."""
     try:
         with open(os.path.join(job, JOB_DRAINED), "rb") as f:
-            tags = json.loads(f.read(65536).decode("utf-8")).get("drained")
-    except (OSError, ValueError, AttributeError):
-        return []
-    return [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else []
+            found = json.loads(f.read(65536).decode("utf-8"))
+        tags, ids = found.get("drained"), found.get("ids") or {}
+        return {t: str(ids.get(t, "")) for t in tags if isinstance(t, str)} if isinstance(tags, list) else {}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
 
 
-def _note_drained(job: str, tag: str) -> None:
+def is_drained(drained: Mapping[str, str], tag: str, save_id: str) -> bool:
+    """Save ``save_id`` of ``tag`` is the one ``drained`` (:func:`read_drained`) records (a record of tags
+    only: the tag's name alone, as before)."""
+    return tag in drained and drained[tag] in ("", save_id)
+
+
+def _note_drained(job: str, tag: str, save_id: str) -> None:
     """(a node's first rank, once ``tag`` is committed in ``path``) ``tag`` first in the record, replaced whole
     (a reader sees the old record or the new one); a failure is logged: the resume then knows less, as before."""
-    tags = [tag, *(t for t in read_drained(job) if t != tag)][:_DRAINED_KEPT]
+    ids = dict([(tag, save_id), *((t, i) for t, i in read_drained(job).items() if t != tag)][:_DRAINED_KEPT])
     tmp = os.path.join(job, f".{JOB_DRAINED}.{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(json.dumps({"drained": tags}).encode())
+            f.write(json.dumps({"drained": list(ids), "ids": ids}).encode())
         os.replace(tmp, os.path.join(job, JOB_DRAINED))
     except OSError as exc:
         log.warning("could not record the drain of %r in %s: %s", tag, job, exc)
@@ -321,7 +330,7 @@ def drain(
         )
     tier.memory.durable = max(tier.memory.durable or 0, tier.seq if retry is None else retry.seq)
     if tier.nodes.is_leader:
-        _note_drained(tier.job, req.tag)
+        _note_drained(tier.job, req.tag, manifest.save_id)
     breq = dataclasses.replace(req, process_group=group)
     publish_newest(breq, dctx, manifest.extra)  # its roll-back record: the root's copy (catalog.root)
     log.info(

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from smpckpt.api._dist import DistContext
-from smpckpt.api._drain import path_down, read_drained
+from smpckpt.api._drain import is_drained, path_down, read_drained
 from smpckpt.api._resume import (
     ResumeRequest,
     Target,
@@ -171,15 +171,18 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
 
 def _refuse_emptied(req: ResumeRequest, job: str, durable: Target | None, newest: str) -> None:
     """(rank 0) Refuse the fast tier's ``newest`` when ``path`` holds none of the drains its job folder
-    recorded (tiers68 F2: an emptied path, a new run's, resumed the old run's copies silently)."""
+    recorded, each the save recorded, not a new run's of the tag's name (tiers68 F2, rev68b F1: an emptied
+    path, a new run's, resumed the old run's copies silently)."""
     drained = read_drained(job)
-    if not drained or (durable is not None and durable.tag in drained):
+    if not drained or (durable is not None and is_drained(drained, durable.tag, durable.order[2])):
         return
-    if any(probe_checkpoint(partial_url(req.root, t), req.storage_options).state == "committed" for t in drained):
-        return
+    for t in drained:
+        found = probe_checkpoint(partial_url(req.root, t), req.storage_options)
+        if found.state == "committed" and found.manifest and is_drained(drained, t, found.manifest.save_id):
+            return
     raise CheckpointNotFound(
-        f"path {req.root} holds none of the checkpoints this fast tier's job drained there "
-        f"({', '.join(map(repr, drained[:3]))}; emptied, or a new run on the same path?), while its fast-tier "
+        f"path {req.root} holds none of the saves this fast tier's job drained there (tags "
+        f"{', '.join(map(repr, list(drained)[:3]))}; emptied, or a new run on the same path?), while its fast-tier "
         f"folder ({job} on node 0, {os.path.basename(job)} in every node's local_path) holds {newest!r}: remove "
         f"that folder on every node to start fresh, or pass tag={newest!r} to resume the fast copy knowingly"
     )

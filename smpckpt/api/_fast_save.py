@@ -22,7 +22,7 @@ from typing import Any
 
 from smpckpt.api._async import GlooGroups, Lane, wait_logged
 from smpckpt.api._dist import DistContext, peer_failures
-from smpckpt.api._drain import drain, path_down, read_drained
+from smpckpt.api._drain import drain, is_drained, path_down, read_drained
 from smpckpt.api._fast_resume import Loaded, choose_tier, lineage_for, load_tiered, runs_for
 from smpckpt.api._resume import ResumeRequest
 from smpckpt.api._save import SaveRequest, run_save
@@ -82,7 +82,7 @@ class FastTierPart:
     def save(self, req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> None:
         """(all ranks) The fast tiers, then (a durable save, or a retried one) the drain, on the drain lane."""
         started = time.monotonic()
-        if tier.durable or tier.retry is not None:  # agreed: one rank's drain thread failing to start hung the others
+        if tier.drains:  # agreed: one rank's drain thread failing to start hung the others
             DistContext(req.process_group).all_ok(self.drain_lane.start)
         prepared = save_fast(req, state, extra, tier)
         self.state.continues = hash_bytes(prepared.manifest)  # the next save goes on from this one
@@ -93,10 +93,10 @@ class FastTierPart:
             tier.seq,
             tier.options.replicas,
             time.monotonic() - started,
-            f"; draining to {req.url}" if tier.durable else "",
+            f"; draining to {req.url}" if tier.drains and tier.retry is None else "",
             ", ".join(f"{name} {s:.3f}s" for name, s in tier.phases.items()),
         )
-        if tier.durable or tier.retry is not None:
+        if tier.drains:
             self._drain(req, tier, prepared)
 
     def _drain(self, req: SaveRequest, tier: TierPlan, prepared: PreparedCommit) -> None:
@@ -148,7 +148,7 @@ class TierPlan:
     job: str  #: this job's folder in it
     folder: str  #: this node's folder of the tag
     seq: int  #: this save's number in the job (1, 2, ...), across restarts
-    durable: bool  #: also drained to ``path``
+    durable: bool  #: due for ``path`` (recorded: drained now, else -- ``offline`` -- by a later save)
     root_key: str = ""  #: the durable root, as the manifest records it
     views: tuple[Mapping[str, LocalCopy], ...] = ()  #: every rank's node listing before this save
     durable_seq: int = 0  #: the highest save number ``path`` held before this save
@@ -164,12 +164,20 @@ class TierPlan:
     lineage: tuple[int, ...] = ()  #: (rank 0) the fast-tier saves it was numbered after (``lineage_for``)
     runs: tuple[tuple[int, int], ...] = ()  #: (rank 0) its history's segments (``runs_for``, ``_tiers.RUNS``)
     passed: tuple[tuple[int, int], ...] = ()  #: (rank 0) the saves of others its history passed over
+    #: (rank 0's) ``path`` did not answer when planned: a due save is not drained now (its copiers would block
+    #: for retries x timeouts on a hung endpoint, and the next save wait for them: rev68b F2), but pending
+    offline: bool = False
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def group(self) -> Any:
         return self.streams[0] if self.streams else None
+
+    @property
+    def drains(self) -> bool:
+        """Whether this save starts a drain: its own (due, ``path`` answering) or a pending one's (``retry``)."""
+        return (self.durable and not self.offline) or self.retry is not None
 
     def record(self) -> dict[str, Any]:
         """The manifest's ``extra["tier"]``: the one place a tiered save's record is built."""
@@ -204,7 +212,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     if any(c.complete for c in candidates(views, req.tag)):  # the same answer on every rank
         raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")
 
-    def decide() -> tuple[int, int, FastCandidate | None, tuple[str, ...], tuple[int, ...], tuple[Any, Any]]:
+    def decide() -> tuple[int, int, FastCandidate | None, tuple[str, ...], tuple[int, ...], tuple[Any, Any], bool]:
         # the fast tiers' copies are numbered too (catalog.root): this save is numbered after them
         copies = [c.order[0] for view in views for c in view.values() if c.digest is not None]
         part.counter.saw(max(copies, default=0))
@@ -224,7 +232,8 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
             log.warning(said)
             warnings.warn(said, stacklevel=4)
             # as known, else as node 0 recorded its drains (else retention warns they "never reached" path)
-            recorded = {c.seq for c in candidates(views) if c.tag in read_drained(job)}
+            done = read_drained(job)
+            recorded = {c.seq for c in candidates(views) if is_drained(done, c.tag, c.order[2])}
             drained, part.counter.offline = memory.durable or max(recorded, default=0), True
         seq = 1 + max(tier_seq(views), drained)
         with memory.lock:  # a drain of this Checkpointer still copying it is not pending: it is running
@@ -239,16 +248,16 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
             *([(memory.back_to[1] + 1, 2**62)] if memory.fresh and memory.back_to[1] else []),
         )
         tags = {c.order[0]: c.tag for c in candidates(views)} | {memory.back_to[1]: memory.back_to[0]}
-        down = part.counter.offline  # no drain is retried while path is down (the due ones fail, retried)
+        down = part.counter.offline  # no drain starts while path is down (a due one stays pending)
         retry = (
             None
             if down or seq % opts.durable_every == 0
             else _retry_of(req, pending, (seq, lineage, runs[0]), back, tags)
         )
         memory.runs, memory.passed, memory.fresh = *runs, False  # the segment stays, the save failing or not
-        return seq, drained, retry, tuple(c.tag for c in due if c.tag in running), lineage, runs
+        return seq, drained, retry, tuple(c.tag for c in due if c.tag in running), lineage, runs, down
 
-    seq, drained, retry_of, running, lineage, runs = ctx.on_coordinator(decide)
+    seq, drained, retry_of, running, lineage, runs, down = ctx.on_coordinator(decide)
     folder = os.path.join(job, partial_dirname(req.tag))
 
     def settle() -> None:
@@ -267,7 +276,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
 
     ctx.all_ok(settle)
     durable = seq % opts.durable_every == 0
-    if durable:  # one drain at a time: the fast tier keeps its tag until it is done
+    if durable and not down:  # one drain at a time: the fast tier keeps its tag until it is done
         wait_logged(part.drain_lane.fut, f"the drain of {part.drain_lane.tag!r} to the durable tier")
     retry = _pending(ctx, job, retry_of, nodes) if retry_of is not None else None
     if retry is not None and ctx.is_coordinator:  # this job drains it again: its history's, due for path
@@ -293,6 +302,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         memory.path_seq,
         lineage,
         *runs,
+        offline=down,
     )
     plan.phases["plan"] = time.monotonic() - started
     return plan

@@ -309,7 +309,7 @@ class SequenceCounter:
         committed number a listing of the root finds is read first, outside the lock."""
         if not self._listed and not self.offline:
             self.saw(highest_sequence(self.root, self.storage_options, self.manifests), listed=True)
-        else:
+        elif not self.offline:  # (offline: not read, its timeouts paid again by each save: rev68b F3)
             # another writer of this root in this process (a second model's Checkpointer, one beside smp's face)
             # has its own counter: ``newest`` names the last commit of any, so a new save is numbered after it
             self.read = max(self.read, self._newest_sequence())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 from contextlib import redirect_stdout
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -226,6 +227,23 @@ def test_a_converted_checkpoint_with_pickled_user_content_is_refused_before_load
     assert content["u"].x == 5 and torch.equal(got.weight, model.weight)
 
 
+def _s3_conversion_over_an_old_file(tmp_path: Path, moto_endpoint: str) -> tuple[dict[str, Any], str, Any, str, bytes]:
+    """A 12 MiB checkpoint in ``tmp_path / "c"`` (two 5 MiB parts and a rest on S3) and an old ``out.pt`` on
+    moto it converts over: ``(options, out, fs, path, old bytes)``."""
+    from s3_env import reset_moto, s3_options
+
+    from smpckpt.storage import open_fs
+
+    dcp.save({"w": torch.arange(3 << 20, dtype=torch.float32)}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    reset_moto(moto_endpoint, "convert")
+    opts, out = {**s3_options(moto_endpoint), "default_block_size": 5 << 20}, "s3://convert/out.pt"
+    fs, path = open_fs(out, opts)
+    old = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, old)
+    fs.pipe_file(path, old.getvalue())
+    return opts, out, fs, path, old.getvalue()
+
+
 @pytest.mark.s3
 def test_an_overwrite_interrupted_on_s3_leaves_the_old_file(
     tmp_path: Path, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
@@ -233,18 +251,7 @@ def test_an_overwrite_interrupted_on_s3_leaves_the_old_file(
     """fsspec's ``with fs.open(path, "wb")`` closes the file on an exception too, and s3fs's close publishes
     what was written (completes the multipart upload): a Ctrl-C in ``torch.save`` replaced the old file
     with a truncated one."""
-    from s3_env import reset_moto, s3_options
-
-    from smpckpt.storage import open_fs
-
-    state = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: two 5 MiB parts on S3, then the cut
-    dcp.save(state, checkpoint_id=str(tmp_path / "c"), no_dist=True)
-    reset_moto(moto_endpoint, "convert")
-    opts, out = {**s3_options(moto_endpoint), "default_block_size": 5 << 20}, "s3://convert/out.pt"
-    fs, path = open_fs(out, opts)
-    old = io.BytesIO()
-    torch.save({"w": torch.ones(2)}, old)
-    fs.pipe_file(path, old.getvalue())
+    opts, out, fs, path, old = _s3_conversion_over_an_old_file(tmp_path, moto_endpoint)
     real_save = torch.save
 
     def interrupted(obj: object, f: io.RawIOBase) -> None:
@@ -264,7 +271,7 @@ def test_an_overwrite_interrupted_on_s3_leaves_the_old_file(
         convert_checkpoint(tmp_path / "c", out, out_storage_options=opts, overwrite=True)
     monkeypatch.undo()
     fs.invalidate_cache()
-    assert fs.cat_file(path) == old.getvalue(), f"{out}: the old file was replaced"
+    assert fs.cat_file(path) == old, f"{out}: the old file was replaced"
     assert not fs.call_s3("list_multipart_uploads", Bucket="convert").get("Uploads"), "an upload left open"
 
 
@@ -278,10 +285,6 @@ def test_an_overwrite_whose_upload_fails_at_its_close_on_s3_names_the_key_and_ab
     named no key."""
     import importlib.util
 
-    from s3_env import reset_moto, s3_options
-
-    from smpckpt.storage import open_fs
-
     # the storage tests' proxy (tests/storage is on sys.path only when its conftest is collected)
     spec = importlib.util.spec_from_file_location(
         "_proxy", Path(__file__).parent / "storage" / "storage_faulty_proxy.py"
@@ -291,14 +294,7 @@ def test_an_overwrite_whose_upload_fails_at_its_close_on_s3_names_the_key_and_ab
     spec.loader.exec_module(proxy_module)
     FaultyProxy = proxy_module.FaultyProxy
 
-    state = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: a multipart upload of 5 MiB blocks
-    dcp.save(state, checkpoint_id=str(tmp_path / "c"), no_dist=True)
-    reset_moto(moto_endpoint, "convert")
-    opts, out = {**s3_options(moto_endpoint), "default_block_size": 5 << 20}, "s3://convert/out.pt"
-    fs, path = open_fs(out, opts)
-    old = io.BytesIO()
-    torch.save({"w": torch.ones(2)}, old)
-    fs.pipe_file(path, old.getvalue())
+    opts, out, fs, path, old = _s3_conversion_over_an_old_file(tmp_path, moto_endpoint)
 
     def should_fail(method: str, p: str, query: dict[str, list[str]]) -> int | None:
         if failing == "complete":
@@ -316,7 +312,7 @@ def test_an_overwrite_whose_upload_fails_at_its_close_on_s3_names_the_key_and_ab
         assert proxy.injected, "no fault injected"
     assert info.value.filename == path, repr(info.value)
     fs.invalidate_cache()
-    assert fs.cat_file(path) == old.getvalue(), f"{out}: the old file was replaced"
+    assert fs.cat_file(path) == old, f"{out}: the old file was replaced"
     assert not fs.call_s3("list_multipart_uploads", Bucket="convert").get("Uploads"), "an upload left open"
 
 

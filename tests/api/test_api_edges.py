@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-import smpckpt.storage.backends._folder as folder_mod
+import smpckpt.storage.backends._nofollow as nofollow_mod
 from smpckpt import (
     Checkpointer,
     CheckpointError,
@@ -89,14 +89,14 @@ def test_a_temp_name_left_behind_is_not_a_failed_save(tmp_path: Any, monkeypatch
     seen: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger(folder_mod.__name__).addHandler(handler)
+    logging.getLogger(nofollow_mod.__name__).addHandler(handler)  # drop_temp's
     monkeypatch.setattr(os, "unlink", failing)
     m = _model(2)
     try:
         save_checkpoint(root, "a", model=m)
     finally:
         monkeypatch.setattr(os, "unlink", real)
-        logging.getLogger(folder_mod.__name__).removeHandler(handler)
+        logging.getLogger(nofollow_mod.__name__).removeHandler(handler)
     assert left and any(left[0] in msg for msg in seen), seen
     assert open(os.path.join(root, "newest")).read().strip() == "a"
     _assert_resumes(root, None, m)

@@ -93,4 +93,7 @@ def test_error_wrapper_still_retries_and_translates(s3: tuple[str, dict[str, Any
     assert isinstance(info.value.__cause__, ClientError), f"s3fs no longer translates as before: {fix}"
     with pytest.raises(FileNotFoundError) as real:  # the same, through the moto server
         _s3.get_range_into(fs, f"{path}/absent", 0, 4, [memoryview(bytearray(4))])
-    assert isinstance(real.value.__cause__, ClientError), f"s3fs no longer translates as before: {fix}"
+    # ours, naming the key <- s3fs's translation (errno-less since s3fs names none) <- botocore's ClientError
+    named, translated = real.value, real.value.__cause__
+    assert named.filename and isinstance(translated, FileNotFoundError), (named, translated)
+    assert isinstance(translated.__cause__, ClientError), f"s3fs no longer translates as before: {fix}"

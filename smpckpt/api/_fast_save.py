@@ -503,6 +503,8 @@ def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
     # was down (hunt64c F3)
     pending = pending_drains(views, durable_seq)
     drains = {tag if tier.durable else tier.retry.tag if tier.retry is not None else "", *tier.running}
+    if tier.offline and pending:  # path down: the newest due save waits for it to drain (rev68i F1)
+        drains.add(pending[0].tag)
     named = next((c for c in pending if c.tag in drains), None)  # the removal warning names the newest
     due = [c for c in pending if c.tag in drains or c.tag in protected]
     kept = {c.tag for c in complete[:keep]} | protected | {c.tag for c in due}
@@ -540,7 +542,14 @@ def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
             instead = f"{named.tag!r} (save {named.seq}){', newer,' * (named.seq > c.seq)} is" if named else "none is"
             log.warning(
                 "fast tier %s: removed checkpoint %r (save %d), due for the durable tier: it never reached %s; "
-                "%s drained instead",
-                *(folder, tag, c.seq, tier.root_key, instead),
+                "%s %s instead",
+                *(
+                    folder,
+                    tag,
+                    c.seq,
+                    tier.root_key,
+                    instead,
+                    "pending (path unreachable)" if tier.offline else "drained",
+                ),
             )
     return removed

@@ -265,3 +265,30 @@ def test_every_rank_gets_the_same_answer_on_two_nodes(s3_root: tuple[str, dict[s
         assert r["save_down"][0] == "ok" and r["tag_down"][0] == "ok" and r["exact"]
         assert r["resume_down"][0] == "error" and "'b2'" in r["resume_down"][1] and root in r["resume_down"][1]
     assert got[0]["save_down"][1] and got[0]["tag_down"][1]  # warned on rank 0, naming path
+
+
+def test_a_due_save_pending_while_path_is_down_outlives_fast_tier_retention_and_drains(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """rev68i F1: durable_every=4, two copies kept: s4 (due) saved while path was down stayed pending, fast-tier
+    retention removed it at s6 (path still down) and s7, path back, drained nothing: path stayed empty, and
+    nothing said so. The newest due save is kept until it drains."""
+    root, options = s3_root
+    fast, down = str(tmp_path / "fast"), _down(options)
+    m4 = _linear(4)
+    for i, up in enumerate("uuudddu", 1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # path unreachable: said, tested above
+            save_checkpoint(
+                Location(root, storage_options=options if up == "u" else down),
+                f"s{i}",
+                model=m4 if i == 4 else _linear(i),
+                options=FastTier(local_path=fast, replicas=1, durable_every=4, num_kept_local=2),
+            )
+    wait_for_saves()
+    got = _linear(9)
+    resume_from_checkpoint(
+        Location(root, storage_options=options), model=got, options=FastTier(local_path=str(tmp_path / "empty"))
+    )
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s4", "durable") and _same(got, m4)

@@ -102,6 +102,16 @@ def test_a_restart_with_path_intact_or_never_drained_resumes_the_fast_tier(tmp_p
         assert info is not None and info.tier == "fast" and _same(got, m3)
 
 
+def _resumes_from_path(root: str, options: dict[str, Any], tmp_path: Path, tag: str, want: Any) -> None:
+    """A resume from ``path`` alone (an empty fast tier) loads ``tag``, bit-exactly ``want``'s state."""
+    got = _linear(9)
+    resume_from_checkpoint(
+        Location(root, storage_options=options), model=got, options=FastTier(local_path=str(tmp_path / "empty"))
+    )
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == (tag, "durable") and _same(got, want)
+
+
 def _down(options: dict[str, Any]) -> dict[str, Any]:
     """``options`` pointing at a port nobody listens on, one attempt each: the same root, unreachable (the
     job folder's key is the root without its endpoint)."""
@@ -154,12 +164,7 @@ def test_while_path_is_unreachable_saves_go_to_the_fast_tier(
         options=FastTier(local_path=fast, replicas=1, durable_every=2),
     )
     wait_for_saves()
-    got = _linear(9)
-    resume_from_checkpoint(
-        Location(root, storage_options=options), model=got, options=FastTier(local_path=str(tmp_path / "empty"))
-    )
-    info = last_resume_info()
-    assert info is not None and (info.tag, info.tier) == ("s4", "durable") and _same(got, m3)
+    _resumes_from_path(root, options, tmp_path, "s4", m3)
 
 
 def test_a_hung_path_stalls_no_save_and_the_due_save_drains_once_it_answers(
@@ -286,9 +291,4 @@ def test_a_due_save_pending_while_path_is_down_outlives_fast_tier_retention_and_
                 options=FastTier(local_path=fast, replicas=1, durable_every=4, num_kept_local=2),
             )
     wait_for_saves()
-    got = _linear(9)
-    resume_from_checkpoint(
-        Location(root, storage_options=options), model=got, options=FastTier(local_path=str(tmp_path / "empty"))
-    )
-    info = last_resume_info()
-    assert info is not None and (info.tag, info.tier) == ("s4", "durable") and _same(got, m4)
+    _resumes_from_path(root, options, tmp_path, "s4", m4)

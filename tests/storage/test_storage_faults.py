@@ -349,13 +349,28 @@ def test_s3_persistent_errors_fail_and_abort_uploads(s3: Backend, moto_endpoint:
     assert_state_equal(old, roundtrip_load(old, f"{base}/p", opts))
 
 
+def _committed_through_one_fault(
+    opts: dict[str, Any], endpoint: str, fail_after: Any, sd: dict[str, Any], url: str, writer: Any, **kw: Any
+) -> None:
+    """Save ``sd`` to ``url`` through a proxy that injects exactly one fault (``fail_after``): committed, loading
+    back bit-exactly, and (a full save) without its in-progress marker."""
+    from storage_faulty_proxy import FaultyProxy
+
+    with FaultyProxy(endpoint, lambda *_: None, fail_after=fail_after) as proxy:
+        dcp.save(sd, storage_writer=writer(url, storage_options=_proxy_opts(opts, proxy.url, attempts=3), **kw))
+        assert len(proxy.injected) == 1, proxy.injected
+    assert checkpoint_state(url, opts) == "committed"
+    fs, path = open_fs(url, opts)
+    assert not fs.exists(f"{path}/smpckpt.writing")
+    assert_state_equal(sd, roundtrip_load(sd, url, opts))
+
+
 @pytest.mark.s3
 @pytest.mark.parametrize("mode", ["partial", "full"])
 def test_s3_a_commit_whose_reply_was_lost_is_committed(s3: Backend, moto_endpoint: str, mode: str) -> None:
     """The conditional manifest PUT lands but its reply is lost (500): the client retries, and the
     retry is refused (412) by the save's own manifest. That is this save's commit, not another's: the
     full mode reported "another save committed here" and kept its in-progress marker."""
-    from storage_faulty_proxy import FaultyProxy
 
     base, opts = s3
     landed: list[str] = []
@@ -368,17 +383,8 @@ def test_s3_a_commit_whose_reply_was_lost_is_committed(s3: Backend, moto_endpoin
 
     sd = make_state(2)
     url = f"{base}/lost-{mode}"
-    with FaultyProxy(moto_endpoint, lambda *_: None, fail_after=fail_after) as proxy:
-        popts = _proxy_opts(opts, proxy.url, attempts=3)
-        dcp.save(
-            sd,
-            storage_writer=(FullArtifactWriter if mode == "full" else FsspecStorageWriter)(url, storage_options=popts),
-        )
-        assert len(proxy.injected) == 1, proxy.injected
-    assert checkpoint_state(url, opts) == "committed"
-    fs, path = open_fs(url, opts)
-    assert not fs.exists(f"{path}/smpckpt.writing")
-    assert_state_equal(sd, roundtrip_load(sd, url, opts))
+    writer = FullArtifactWriter if mode == "full" else FsspecStorageWriter
+    _committed_through_one_fault(opts, moto_endpoint, fail_after, sd, url, writer)
 
 
 @pytest.mark.s3
@@ -390,7 +396,6 @@ def test_s3_a_data_file_whose_create_reply_was_lost_is_this_saves_own(
     (412) by the save's own object. The save failed, on a transient error, with a FileExistsError naming no key.
     The completion's 412 is sent here after the real completion (moto answers a retried completion 200, so
     the retry would never meet the refusal S3 sends: rev68c F4); the object's multipart ETag tells it is ours."""
-    from storage_faulty_proxy import FaultyProxy
 
     base, opts = s3
     landed: list[str] = []
@@ -404,12 +409,7 @@ def test_s3_a_data_file_whose_create_reply_was_lost_is_this_saves_own(
         return None
 
     sd, url = _big_state(), f"{base}/lost-{request_lost}"
-    with FaultyProxy(moto_endpoint, lambda *_: None, fail_after=fail_after) as proxy:
-        popts = _proxy_opts(opts, proxy.url, attempts=3)
-        dcp.save(sd, storage_writer=FsspecStorageWriter(url, storage_options=popts, part_size=16 << 20))
-        assert len(proxy.injected) == 1, proxy.injected
-    assert checkpoint_state(url, opts) == "committed"
-    assert_state_equal(sd, roundtrip_load(sd, url, opts))
+    _committed_through_one_fault(opts, moto_endpoint, fail_after, sd, url, FsspecStorageWriter, part_size=16 << 20)
 
 
 @pytest.mark.s3
@@ -420,7 +420,6 @@ def test_s3_a_full_saves_small_object_whose_create_reply_was_lost_is_its_own(
     """A full save's in-progress marker (or an object value's file) lands and its reply is lost: the retry is
     refused by the save's own object. The save failed: "another full save started writing here at the same
     moment" (its own marker, left behind) or a FileExistsError."""
-    from storage_faulty_proxy import FaultyProxy
 
     base, opts = s3
     landed: list[str] = []
@@ -433,13 +432,7 @@ def test_s3_a_full_saves_small_object_whose_create_reply_was_lost_is_its_own(
 
     sd, url = make_state(3), f"{base}/full-lost"
     sd["n"] = 5
-    with FaultyProxy(moto_endpoint, lambda *_: None, fail_after=fail_after) as proxy:
-        dcp.save(sd, storage_writer=FullArtifactWriter(url, storage_options=_proxy_opts(opts, proxy.url, attempts=3)))
-        assert len(proxy.injected) == 1, proxy.injected
-    assert checkpoint_state(url, opts) == "committed"
-    fs, path = open_fs(url, opts)
-    assert not fs.exists(f"{path}/smpckpt.writing")
-    assert_state_equal(sd, roundtrip_load(sd, url, opts))
+    _committed_through_one_fault(opts, moto_endpoint, fail_after, sd, url, FullArtifactWriter)
 
 
 @pytest.mark.s3

@@ -249,7 +249,8 @@ def _protocol(fs: Any) -> str:
 
 
 def read_bytes_or_none(fs: Any, path: str) -> bytes | None:
-    """The whole file, or ``None`` when it does not exist (one GET; no HEAD/LIST first)."""
+    """The whole file, or ``None`` when it does not exist (one GET; no HEAD/LIST first), a folder on its way
+    being a file included (``{root}/smpckpt.abandoned/...``: a tag naming one of the root's own files)."""
     with translate_errors(path):
         try:
             if _protocol(fs) in ("s3", "s3a"):
@@ -257,7 +258,7 @@ def read_bytes_or_none(fs: Any, path: str) -> bytes | None:
 
                 return get_object(fs, path)
             data = fs.cat_file(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
     return bytes(data)
 

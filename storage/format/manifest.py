@@ -558,6 +558,8 @@ def probe(fs: Any, folder: str, *, list_when_empty: bool = True, known: Manifest
             entries = ls_fresh(fs, folder, detail=False)
     except (FileNotFoundError, NotADirectoryError):
         entries = []
+    if [str(e).rstrip("/") for e in entries] == [folder.rstrip("/")]:  # a file lists as itself: no folder here
+        return Probe("missing", detail="a file, not a checkpoint folder")
     if entries:
         marked = any(str(e).rstrip("/").rsplit("/", 1)[-1] == REMOVING_NAME for e in entries)
         return Probe(

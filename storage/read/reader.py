@@ -273,7 +273,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         found = probe(self.fs, self.path, known=self.known)
         self.state = found.state
         if found.state == "missing":
-            raise CheckpointNotFound(f"no checkpoint at {self.url}")
+            raise CheckpointNotFound(f"no checkpoint at {self.url}" + (f" ({found.detail})" if found.detail else ""))
         return found
 
     def _committed_metadata(self, manifest: Manifest) -> tuple[Metadata, str]:

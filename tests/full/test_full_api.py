@@ -372,6 +372,22 @@ def test_a_full_tag_naming_a_root_file_is_refused_before_writing(tmp_path: Any, 
         assert_state_equal(m.state_dict(), got.state_dict())
 
 
+def test_resuming_the_roll_back_record_by_name_says_it_is_a_file(tmp_path: Any) -> None:
+    """rev68h F3: ``resume_from_checkpoint(path, "smpckpt.abandoned", ...)`` (the roll-back's record, a file)
+    failed with a raw ``NotADirectoryError`` from inside the reader; now "not found", naming the file."""
+    root = str(tmp_path)
+    m, _ = trained_model(0)
+    for tag in ("s1", "s2"):
+        save_checkpoint(root, tag, model=m)
+    resume_from_checkpoint(root, "s1", model=m)
+    save_checkpoint(root, "s3", model=m)  # a roll-back's save writes the record
+    assert os.path.isfile(tmp_path / "smpckpt.abandoned")
+    with pytest.raises(CheckpointNotFound, match=r"no checkpoint 'smpckpt\.abandoned' under"):
+        resume_from_checkpoint(root, "smpckpt.abandoned", model=m)
+    with pytest.raises(CheckpointNotFound, match=r"smpckpt\.abandoned \(a file, not a checkpoint folder\)"):
+        resume_from_checkpoint(root, "smpckpt.abandoned", partial=False, model=m)
+
+
 def test_strict_refuses_checkpoint_keys_the_model_lacks(tmp_path: Any) -> None:
     root = str(tmp_path)
     big = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))

@@ -4,6 +4,7 @@ stock-readable DCP folder, with fused views back in their original shape."""
 from __future__ import annotations
 
 import io
+import warnings
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -332,3 +333,19 @@ def test_conversion_to_one_file_works_where_the_filesystem_has_no_hard_links(
     with pytest.raises(FileExistsError, match="full.pt"):  # still create-only
         convert_checkpoint(tmp_path / "ckpt", tmp_path / "full.pt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "full.pt"]  # no temporary left
+
+
+def test_conversion_into_a_numbered_root_warns_that_it_has_no_number(tmp_path: Path) -> None:
+    """commit68 L2: ``convert --to dcp`` into a root of numbered saves wrote a checkpoint without a sequence
+    number, silently: that root's retention removes it first and a tag-less resume passes it over."""
+    model = nn.Linear(3, 2)
+    with Checkpointer(tmp_path / "root") as ckpt:
+        ckpt.save("s1", model)
+    (tmp_path / "out").mkdir()
+    with pytest.warns(UserWarning, match=r"conv_partial is written into .*root, whose checkpoints are numbered"):
+        convert_checkpoint(tmp_path / "root" / "s1_partial", tmp_path / "root" / "conv_partial", to="dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a plain folder, and a root of converted ones only: no warning
+        convert_checkpoint(tmp_path / "root" / "s1_partial", tmp_path / "out" / "conv_partial", to="dcp")
+        convert_checkpoint(tmp_path / "root" / "s1_partial", tmp_path / "out" / "other_partial", to="dcp")
+        convert_checkpoint(tmp_path / "root" / "s1_partial", tmp_path / "plain", to="dcp")

@@ -8,6 +8,7 @@ import io
 import logging
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ from smpckpt.api._dist import (
     quiet_no_dist,
     translate_dcp,
 )
+from smpckpt.catalog import root as catalog
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord
 from smpckpt.planners import ObjectBytes
@@ -196,6 +198,7 @@ def convert_checkpoint(
             raise FileExistsError(f"{out_url} exists; pass overwrite=True (--overwrite) to replace it")
         _save_file(fs, path, state, overwrite=overwrite)
     else:
+        _warn_in_numbered_root(out_url, out_storage_options)
         extra: dict[str, Any] = {}
         if RESERVED.user_content in state:  # one record, as a save writes it: stock DCP's planner would
             # flatten a dict into keys a resume does not know (``user_content.step``) and refuse them; the
@@ -228,6 +231,22 @@ def convert_checkpoint(
         "converted %s -> %s (%s): %d tensors, %d objects", os.fspath(src), out_url, to, len(tensors), report["objects"]
     )
     return report
+
+
+def _warn_in_numbered_root(out_url: str, storage_options: Mapping[str, Any] | None) -> None:
+    """A ``{root}/{tag}_partial`` output beside numbered saves carries no sequence number (commit68 L2): the
+    root's retention counts it oldest, so removes it first, and a ``newest`` naming it is passed over."""
+    root, _, name = out_url.rstrip("/").rpartition("/")
+    if not root or catalog.tag_of_partial_dirname(name) is None:
+        return
+    with contextlib.suppress(OSError, ValueError):  # an unreadable root: nothing to say (the write reports it)
+        if catalog.highest_sequence(root, storage_options) > 0:
+            warnings.warn(
+                f"{out_url} is written into {root}, whose checkpoints are numbered by the saves that wrote them; "
+                "a converted one has no number: that root's retention removes it first and a tag-less resume "
+                f"passes it over (resume it by its tag, or convert into a folder outside {root})",
+                stacklevel=3,
+            )
 
 
 class _EmptyStatePlanner(_EmptyStateDictLoadPlanner):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -365,6 +366,20 @@ def _committed_through_one_fault(
     assert_state_equal(sd, roundtrip_load(sd, url, opts))
 
 
+def _first_put_lost(suffix: str) -> tuple[Callable[[str, str, dict[str, list[str]]], int | None], list[str]]:
+    """A proxy's ``fail_after`` answering 500 to the first PUT of a key ending in ``suffix`` once it landed (its
+    reply lost), and the list of what it hit."""
+    landed: list[str] = []
+
+    def fail_after(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        if method == "PUT" and path.endswith(suffix) and not landed:
+            landed.append(path)
+            return 500
+        return None
+
+    return fail_after, landed
+
+
 @pytest.mark.s3
 @pytest.mark.parametrize("mode", ["partial", "full"])
 def test_s3_a_commit_whose_reply_was_lost_is_committed(s3: Backend, moto_endpoint: str, mode: str) -> None:
@@ -373,14 +388,7 @@ def test_s3_a_commit_whose_reply_was_lost_is_committed(s3: Backend, moto_endpoin
     full mode reported "another save committed here" and kept its in-progress marker."""
 
     base, opts = s3
-    landed: list[str] = []
-
-    def fail_after(method: str, path: str, query: dict[str, list[str]]) -> int | None:
-        if method == "PUT" and path.endswith("/smpckpt.manifest.json") and not landed:
-            landed.append(path)
-            return 500
-        return None
-
+    fail_after, _ = _first_put_lost("/smpckpt.manifest.json")
     sd = make_state(2)
     url = f"{base}/lost-{mode}"
     writer = FullArtifactWriter if mode == "full" else FsspecStorageWriter
@@ -422,14 +430,7 @@ def test_s3_a_full_saves_small_object_whose_create_reply_was_lost_is_its_own(
     moment" (its own marker, left behind) or a FileExistsError."""
 
     base, opts = s3
-    landed: list[str] = []
-
-    def fail_after(method: str, path: str, query: dict[str, list[str]]) -> int | None:
-        if method == "PUT" and path.endswith(f"/{name}") and not landed:
-            landed.append(path)
-            return 500
-        return None
-
+    fail_after, _ = _first_put_lost(f"/{name}")
     sd, url = make_state(3), f"{base}/full-lost"
     sd["n"] = 5
     _committed_through_one_fault(opts, moto_endpoint, fail_after, sd, url, FullArtifactWriter)
@@ -465,13 +466,7 @@ def test_s3_an_overwrite_whose_manifest_reply_was_lost_keeps_its_files(
     base, opts = s3
     url, old, new = f"{base}/ow-lost-{reads}", make_state(4), make_state(5)
     dcp.save(old, storage_writer=FsspecStorageWriter(url, storage_options=opts))
-    landed: list[str] = []
-
-    def fail_after(method: str, path: str, query: dict[str, list[str]]) -> int | None:
-        if method == "PUT" and path.endswith("/smpckpt.manifest.json") and not landed:
-            landed.append(path)
-            return 500
-        return None
+    fail_after, landed = _first_put_lost("/smpckpt.manifest.json")
 
     def should_fail(method: str, path: str, query: dict[str, list[str]]) -> int | None:
         return 500 if reads == "failing" and landed and method == "GET" and path.endswith(".json") else None

@@ -16,7 +16,8 @@ verifying them overlaps other reads. Task kinds:
   threads share a slice), a request per row (or per run of close rows), or sequential spans of whole
   rows where the planner's cost model says so (``_plan.streams``), columns copied out (``_fetch.read_box``);
   on object stores, a slice past ``max_request_bytes``: a span of whole row groups of at most that
-  many bytes per part and request, verified, its columns copied into the destination on the worker.
+  many bytes per part and request (a row group past it: runs of the slice's column groups,
+  ``_remote_box``), verified, its columns copied into the destination on the worker.
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
 read as a buffered fetch instead, in parts of whole check units (:class:`_FetchPart`) when it is larger
@@ -60,6 +61,7 @@ from smpckpt.storage.read._plan import (
     pieces,
     writable_bytes,
 )
+from smpckpt.storage.read._remote_box import fetch_rows
 
 if TYPE_CHECKING:
     from smpckpt.storage.read.reader import FsspecStorageReader
@@ -431,31 +433,11 @@ class ReadRun:
             return read_range(self.fs, path, f.start, f.end, items, rec, self.pool, turn, task.scattered)
         if isinstance(task, _BoxPart):
             if not self.local:
-                return self._fetch_rows(path, task, rec, turn)
+                cap, box = self.max_request_bytes, task.box
+                return fetch_rows(self.fs, path, box, task.rows, rec, self.pool, cap, task.dst, task.into, turn)
             return read_box(path, task.box, task.rows, rec, task.dst, self.pool, turn, task.into)
         read_direct(self.fs, path, task.parts, rec, turn, task.scattered)
         return None
-
-    def _fetch_rows(
-        self, path: str, part: _BoxPart, rec: FileRecord | None, turn: contextlib.AbstractContextManager[None] | None
-    ) -> BoxRows:
-        """(worker thread, object stores) A box part's rows in one ranged request into a pooled buffer, from
-        the box's first column of its first row to its last of its last row (S3 charges by the request, not
-        the gaps), widened to whole units when verified: every unit it touches is checked (a block across
-        two parts is read and checked by both). Copied into the destination here when it takes the rows as
-        stored; else handed back (rows ``row_bytes`` apart) for :meth:`_deliver_rows`."""
-        box, (a, b) = part.box, part.rows
-        first = box.base + a * box.row_bytes + box.col0
-        lo, hi = first, box.base + (b - 1) * box.row_bytes + box.col1
-        if rec is not None:
-            lo, hi = rec.widen(lo, hi)
-        data = read_range(self.fs, path, lo, hi, [box.item], rec, self.pool, turn)
-        into = Into(part.dst, a, box.width, box.col0) if part.dst is not None else part.into
-        if into is None:
-            return BoxRows(data[first - lo :], box.row_bytes, hi - lo, 1)
-        into.copy(data[first - lo :], a, box.col0, part.rows, box.row_bytes)
-        self.pool.give_back(data)
-        return BoxRows(None, box.width, hi - lo, 1)
 
     def _complete(self, task: _Task, data: memoryview | BoxRows | None) -> None:
         """(calling thread) Hand a finished task's items to the planner."""

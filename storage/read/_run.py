@@ -45,7 +45,7 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch
 from smpckpt.storage.backends._fs import is_local, join
 from smpckpt.storage.format._columns import Into
 from smpckpt.storage.format._reading import Fetch, c_strides, range_boxes
-from smpckpt.storage.format._safe_pickle import check_weights_only
+from smpckpt.storage.format._safe_pickle import ViewFile, check_weights_only
 from smpckpt.storage.format._staging import DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._fetch import BoxRows, BufferPool, DirectPart, read_box, read_direct, read_range
@@ -462,10 +462,12 @@ class ReadRun:
             self._count_down(task.entry)
             return
         f = task.fetch
+        kept = False
         for need in f.needs:
             it = need.item
-            self._deliver(it, data[it.start - f.start : it.end - f.start])
-        self.pool.give_back(data)  # every view of it (and tensors made from them) is gone now
+            kept |= self._deliver(it, data[it.start - f.start : it.end - f.start])
+        if not kept:  # every view of it (and tensors made from them) is gone now
+            self.pool.give_back(data)
 
     def _count_down(self, entry: _OpenItem) -> None:
         entry.pieces_left -= 1
@@ -498,22 +500,24 @@ class ReadRun:
             self.copies.copy(dst, flat[pos : pos + dst.numel()].view(lengths))
             pos += dst.numel()
 
-    def _deliver(self, it: Item, data: memoryview) -> None:
+    def _deliver(self, it: Item, data: memoryview) -> bool:
+        """Hand one item to the planner; True when it may keep a view of ``data`` (never reuse its buffer)."""
         req, planner = it.req, self.planner
         where = f"{join(self.folder, it.file)} key {it.fqn!r} at offset {it.start}"
         if req.type == LoadItemType.BYTE_IO:
             # A planner that unpickles weights-only itself (ParallelLoadPlanner) needs no trial load here:
             # each object crosses the unpickler once. Stock planners unpickle with weights_only=False.
-            raw = bytes(data)
+            # An optimizer's hyper-parameters are thousands of copies of a few small blobs: as bytes, each
+            # checked once; a larger record is read from its read buffer as it is (no copy: a 512 MiB
+            # user_content took 0.23 s to copy), which the planner may keep (a resume's user_content)
+            small = bytes(data) if data.nbytes <= 4096 else None
             if not self.allow_pickle and not getattr(planner, "loads_weights_only", False):
-                # an optimizer's hyper-parameters are thousands of copies of a few blobs: each checked once
-                small = len(raw) <= 4096
-                if not (small and raw in self._checked):
-                    check_weights_only(raw, where=where)
-                if small:
-                    self._checked.add(raw)
-            planner.load_bytes(req, io.BytesIO(raw))
-            return
+                if small is None or small not in self._checked:
+                    check_weights_only(data if small is None else small, where=where)
+                if small is not None:
+                    self._checked.add(small)
+            planner.load_bytes(req, io.BytesIO(small) if small is not None else ViewFile(data))  # type: ignore[arg-type]
+            return small is None
         if it.raw:
             target = planner.resolve_tensor(req).detach()
             dst = writable_bytes(it, target) if in_place(target) else None
@@ -522,7 +526,7 @@ class ReadRun:
                 # queues for the GIL behind the reader threads; see _tensor_bytes)
                 dst[:] = data[: dst.nbytes]
                 planner.commit_tensor(req, target)
-                return
+                return False
             src = _decode_raw(it, data)
         else:
             try:
@@ -537,6 +541,7 @@ class ReadRun:
             raise LayoutMismatch(f"{it.fqn!r}: destination {list(target.size())} vs stored slice {list(src.size())}")
         self.copies.copy(target, src)
         planner.commit_tensor(req, target)
+        return False
 
 
 def _work_key(w: FetchTask | DirectCandidate | BoxRead) -> tuple[str, int, int]:

@@ -22,7 +22,7 @@ import sys
 import time
 
 MiB = 1 << 20
-COLS = 16384  # rows of 64 KiB
+COLS = 16384  # rows of 64 KiB (--row-kib: other widths)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -34,9 +34,10 @@ def child(args: argparse.Namespace) -> None:
     from smpckpt.planners import ParallelLoadPlanner
     from smpckpt.storage import FsspecStorageReader
 
+    cols = args.row_kib * 256
     ep = connect(args.endpoint, "bench")
-    rows = args.mib * MiB // (4 * COLS)
-    width = COLS // args.tp
+    rows = args.mib * MiB // (4 * cols)
+    width = cols // args.tp
     dest = torch.zeros(rows, width)
     dest.view(-1)[::1024] = 1  # touched: its pages count in the RSS before the load
     with open("/proc/self/clear_refs", "w") as f:
@@ -51,7 +52,7 @@ def child(args: argparse.Namespace) -> None:
     peak = _status("VmHWM") - before
     c0 = args.rank * width
     want = (
-        torch.arange(rows, dtype=torch.int32)[:, None] * COLS + torch.arange(c0, c0 + width, dtype=torch.int32)
+        torch.arange(rows, dtype=torch.int32)[:, None] * cols + torch.arange(c0, c0 + width, dtype=torch.int32)
     ).view(torch.float32)
     st = reader.last_read_stats
     print(
@@ -78,6 +79,7 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=512)
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--rank", type=int, default=1)
+    p.add_argument("--row-kib", type=int, default=COLS // 256, help="row width in KiB (64: rows of 64 KiB)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-request-mb", type=int, default=0, help="reader's max_request_bytes (0: its default)")
     p.add_argument("--tree", action="append", default=[], help="NAME=DIR (PYTHONPATH of that side; empty: installed)")
@@ -99,13 +101,14 @@ def main() -> None:
     trees = [t.split("=", 1) for t in args.tree] or [["installed", ""]]
     ep = start_moto("bench")
     try:
-        rows = args.mib * MiB // (4 * COLS)
-        w = torch.arange(rows * COLS, dtype=torch.int32).view(torch.float32).view(rows, COLS)
+        cols = args.row_kib * 256
+        rows = args.mib * MiB // (4 * cols)
+        w = torch.arange(rows * cols, dtype=torch.int32).view(torch.float32).view(rows, cols)
         writer = FsspecStorageWriter(f"s3://bench/{args.key}", storage_options=ep.options)
         dcp.save({"w": w}, storage_writer=writer, planner=ParallelSavePlanner(ParallelLayout(), rank=0), no_dist=True)
         del w
         print(
-            f"{args.mib} MiB fp32 [{rows}, {COLS}], TP={args.tp} rank {args.rank}'s columns ({args.mib // args.tp} MiB)"
+            f"{args.mib} MiB fp32 [{rows}, {cols}], TP={args.tp} rank {args.rank}'s columns ({args.mib // args.tp} MiB)"
         )
         for r in range(args.rounds):
             for name, tree in trees:
@@ -124,6 +127,8 @@ def main() -> None:
                     str(args.tp),
                     "--rank",
                     str(args.rank),
+                    "--row-kib",
+                    str(args.row_kib),
                     "--max-request-mb",
                     str(args.max_request_mb),
                 ]

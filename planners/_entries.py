@@ -10,7 +10,6 @@ import fnmatch
 import hashlib
 import io
 import math
-import pickle
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from typing import Any, Literal
@@ -27,9 +26,10 @@ from smpckpt._checks import check_process_group
 from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_dense
 from smpckpt.model.layout import RESERVED, KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
+from smpckpt.storage.format._safe_pickle import ViewFile, decode_object, encode_object
 
 __all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "tied_entries"]
-__all__ += ["likely_causes", "encode_object", "decode_object"]
+__all__ += ["likely_causes", "encode_object", "decode_object", "read_object"]  # the codec: _safe_pickle
 
 
 Kind = Literal["tensor", "dtensor", "object"]
@@ -43,53 +43,15 @@ class ObjectBytes(bytes):
     as_read = False
 
 
-#: values whose pickle says all there is to them (no tensor, no class of the user's)
-_ATOMS = (int, float, bool, complex, str, bytes, type(None))
-#: a memo keeps decoded objects this small (an optimizer's hyper-parameter is ~1.3 KB)
-_MEMO_BYTES = 4096
-
-
-def _plain(value: Any, *, immutable: bool) -> bool:
-    """Atoms and tuples of them (``immutable``: one decoded copy may be shared); else lists and dicts too."""
-    kind = type(value)
-    if kind is tuple or (not immutable and kind is list):
-        return all(_plain(v, immutable=immutable) for v in value)
-    if not immutable and kind is dict:
-        return all(_plain(k, immutable=True) and _plain(v, immutable=False) for k, v in value.items())
-    return kind in _ATOMS
-
-
-def encode_object(value: Any, memo: dict[bytes, bytes], odd: dict[bytes, set[int]] | None = None) -> bytes:
-    """``torch.save`` bytes of ``value``. A plain value's bytes are a function of its pickle (keyed by
-    it, 1.0, 1, True and -0.0 stay apart): an optimizer's thousands of hyper-parameter objects (11 a
-    parameter in torch's flattened format) are a few distinct values, each saved once per ``memo``."""
-    try:
-        key = pickle.dumps(value, 2) if _plain(value, immutable=False) else None
-    except RecursionError:  # nested deeper than the walk goes: saved as it is, unshared (rev63h F5)
-        key = None
-    if key is not None and key in memo:
-        return memo[key]
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    raw = buf.getvalue()
-    if key is not None:
-        memo[key] = raw
-    elif odd is not None:  # not plain (a numpy scalar): the caller checks it loads weights-only, once per bytes
-        odd.setdefault(raw, set()).add(id(value))
-    return raw
-
-
-def decode_object(raw: bytes, memo: dict[bytes, Any], *, weights_only: bool) -> Any:
-    """``torch.load`` of object bytes, once per distinct small blob in ``memo``: the same bytes load to the
-    same value, so the memo keeps what the (weights-only) load accepted, and only immutable results
-    (atoms, tuples of them), which a caller cannot change under the other keys sharing them."""
-    small = len(raw) <= _MEMO_BYTES
-    if small and raw in memo:
-        return memo[raw]
-    obj = torch.load(io.BytesIO(raw), weights_only=weights_only, map_location="cpu")
-    if small and _plain(obj, immutable=True):
-        memo[raw] = obj
-    return obj
+def read_object(slot: Any, value: io.BytesIO | ViewFile, memo: dict[bytes, Any], *, weights_only: bool) -> Any:
+    """The object a key whose value is ``slot`` gets from its record ``value``: decoded (:func:`decode_object`),
+    or for an :class:`ObjectBytes` slot its bytes: a copy, or as read (``as_read``: a resume's user_content,
+    decoded once later; a large record's read buffer itself, not copied)."""
+    if not isinstance(slot, ObjectBytes):
+        return decode_object(value, memo, weights_only=weights_only)
+    if not slot.as_read:
+        return ObjectBytes(value.read())  # rev68g F1: re-saved as it is
+    return value.view() if isinstance(value, ViewFile) else value.read()
 
 
 @dataclasses.dataclass(slots=True)

@@ -55,9 +55,9 @@ from smpckpt.planners._entries import (
     LayoutScope,
     ObjectBytes,
     compile_globs,
-    decode_object,
     likely_causes,
     number_as_tensor,
+    read_object,
     set_at_path,
     tensor_as_number,
     tied_entries,
@@ -471,9 +471,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         entry = self.entries[read_item.dest_index.fqn]
         try:
             raw = isinstance(entry.value, ObjectBytes)
-            safe = not self.allow_pickle
-            obj = value.read() if raw else decode_object(value.read(), self._decoded, weights_only=safe)
-            obj = ObjectBytes(obj) if raw and not entry.value.as_read else obj  # rev68g F1: re-saved as it is
+            obj = read_object(entry.value, value, self._decoded, weights_only=not self.allow_pickle)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpoint(
                 f"{entry.key}: the stored object needs arbitrary code to unpickle ({exc}). Load it with "

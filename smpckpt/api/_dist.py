@@ -39,6 +39,7 @@ from smpckpt.errors import LOADED_IN_PLACE, CheckpointCorrupt, CheckpointError, 
 from smpckpt.model.layout import RESERVED, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners import ObjectBuffer
+from smpckpt.storage.format._safe_pickle import record_file
 
 __all__ = ["DistContext", "RankError", "digest", "OPTIONS", "CommonRequest", "check_state", "train_state"]
 __all__ += ["encode_user_content", "decode_user_content", "describe_user_content", "refuse_pickled", "PICKLED_KEY"]
@@ -525,12 +526,12 @@ def _loads_weights_only(buf: io.BytesIO) -> bool:
 
 def decode_user_content(data: Any, *, allow_pickle: bool, nested: bool = False) -> Any:
     """The one deserialisation on resume; ``nested``: ``save_checkpoint/1`` records, pickled twice."""
-    if data is None or data == b"":
+    if data is None or (isinstance(data, (bytes, bytearray, memoryview)) and len(data) == 0):
         return None
-    if not isinstance(data, (bytes, bytearray)):
+    if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CheckpointCorrupt(f"user_content is stored as {type(data).__name__}, expected bytes")
     try:
-        value = torch.load(io.BytesIO(data), weights_only=not allow_pickle, map_location="cpu")
+        value = torch.load(record_file(data), weights_only=not allow_pickle, map_location="cpu")
         if nested:
             return decode_user_content(value, allow_pickle=allow_pickle)
         return value

@@ -259,7 +259,7 @@ class _EmptyStatePlanner(_EmptyStateDictLoadPlanner):
         self._decoded: dict[bytes, Any] = {}
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = decode_object(value.read(), self._decoded, weights_only=self.weights_only)
+        obj = decode_object(value, self._decoded, weights_only=self.weights_only)
         if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes places it
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

@@ -116,8 +116,9 @@ class S3MultipartSink:
     save's) is never replaced: the commit fails with ``FileExistsError`` and the upload is aborted.
     ``part_size`` is the first parts' size,
     honoured as given (below S3's minimum it is refused, never raised silently); it doubles every
-    ``grow_every`` parts (:func:`~smpckpt.storage.backends._sinks.part_size_of`), so a file past
-    ``10,000 * part_size`` still uploads, and memory in flight grows with it (``max_in_flight`` parts)."""
+    ``grow_every`` parts, and once more for the last ``grow_every`` before S3's 10,000
+    (:func:`~smpckpt.storage.backends._sinks.part_size_of`), so a file past ``10,000 * part_size`` still
+    uploads, up to S3's 5 TiB from any start, and memory in flight grows with it (``max_in_flight`` parts)."""
 
     def __init__(
         self,

@@ -34,7 +34,7 @@ from smpckpt.storage.full._files import data_file
 from smpckpt.storage.read._plan import ROWS_PER_CALL, BoxRead, Item
 
 __all__ = ["BufferPool", "reading", "check_complete", "verify_blocks", "read_range", "DirectPart"]
-__all__ += ["read_direct", "reads_into", "BoxRows", "read_box"]
+__all__ += ["read_direct", "reads_into", "BoxRows", "read_box", "verify_box"]
 
 # a read's turn at the device (see _run.InOrder); held only around the I/O, never around verification
 Turn = AbstractContextManager[None]
@@ -443,7 +443,7 @@ def _verify_rows(
 ) -> None:
     """Every tile of ``rows`` inside the box's columns (a tiled box, ``rec`` given), where ``got`` put them."""
     if box.tiling is not None and rec is not None:
-        _verify_box(path, box, rec, got.data if got.data is not None else dst, got.pitch, rows[0], rows)
+        verify_box(path, box, rec, got.data if got.data is not None else dst, got.pitch, rows[0], rows)
 
 
 def _read_groups(
@@ -468,7 +468,7 @@ def _read_groups(
         g1 = min(b, g0 + box.group_rows)
         _read_rows(fd, path, box, out, a, (g0, g1), sink, asked)
         if check is not None:
-            _verify_box(path, box, check, out, box.width, a, (g0, g1))
+            verify_box(path, box, check, out, box.width, a, (g0, g1))
     return BoxRows(None if dst is not None else out, box.width, asked[0], asked[1])
 
 
@@ -533,7 +533,7 @@ def _stream_into(
         check_complete(path, [box.item.fqn], start, start + want, pread_into(fd, [buf[:want]], start, want))
         nbytes, requests = nbytes + want, requests + 1
         if check is not None:
-            _verify_box(path, box, check, buf, rb, p0, (p0, p1))
+            verify_box(path, box, check, buf, rb, p0, (p0, p1))
         into.copy(buf, p0, box.col0, (p0, p1), rb)
     pool.give_back(buf)
     return BoxRows(None, w, nbytes, requests)
@@ -561,7 +561,7 @@ def _read_span(
     return BoxRows(None, w, want, 1)
 
 
-def _verify_box(
+def verify_box(
     path: str, box: BoxRead, rec: FileRecord, out: memoryview | None, pitch: int, a: int, rows: tuple[int, int]
 ) -> None:
     """Every tile of rows ``rows`` (whole row groups) inside the box's columns, from ``out`` (rows from row

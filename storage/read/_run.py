@@ -16,7 +16,8 @@ verifying them overlaps other reads. Task kinds:
   threads share a slice), a request per row (or per run of close rows), or sequential spans of whole
   rows where the planner's cost model says so (``_plan.streams``), columns copied out (``_fetch.read_box``);
   on object stores, a slice past ``max_request_bytes``: a span of whole row groups of at most that
-  many bytes per part and request, verified, its columns copied into the destination on the worker.
+  many bytes per part and request (a row group past it: runs of the slice's column groups,
+  ``_remote_box``), verified, its columns copied into the destination on the worker.
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
 read as a buffered fetch instead, in parts of whole check units (:class:`_FetchPart`) when it is larger
@@ -44,7 +45,7 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch
 from smpckpt.storage.backends._fs import is_local, join
 from smpckpt.storage.format._columns import Into
 from smpckpt.storage.format._reading import Fetch, c_strides, range_boxes
-from smpckpt.storage.format._safe_pickle import check_weights_only
+from smpckpt.storage.format._safe_pickle import ViewFile, check_weights_only
 from smpckpt.storage.format._staging import DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._fetch import BoxRows, BufferPool, DirectPart, read_box, read_direct, read_range
@@ -60,6 +61,7 @@ from smpckpt.storage.read._plan import (
     pieces,
     writable_bytes,
 )
+from smpckpt.storage.read._remote_box import fetch_rows
 
 if TYPE_CHECKING:
     from smpckpt.storage.read.reader import FsspecStorageReader
@@ -431,31 +433,11 @@ class ReadRun:
             return read_range(self.fs, path, f.start, f.end, items, rec, self.pool, turn, task.scattered)
         if isinstance(task, _BoxPart):
             if not self.local:
-                return self._fetch_rows(path, task, rec, turn)
+                cap, box = self.max_request_bytes, task.box
+                return fetch_rows(self.fs, path, box, task.rows, rec, self.pool, cap, task.dst, task.into, turn)
             return read_box(path, task.box, task.rows, rec, task.dst, self.pool, turn, task.into)
         read_direct(self.fs, path, task.parts, rec, turn, task.scattered)
         return None
-
-    def _fetch_rows(
-        self, path: str, part: _BoxPart, rec: FileRecord | None, turn: contextlib.AbstractContextManager[None] | None
-    ) -> BoxRows:
-        """(worker thread, object stores) A box part's rows in one ranged request into a pooled buffer, from
-        the box's first column of its first row to its last of its last row (S3 charges by the request, not
-        the gaps), widened to whole units when verified: every unit it touches is checked (a block across
-        two parts is read and checked by both). Copied into the destination here when it takes the rows as
-        stored; else handed back (rows ``row_bytes`` apart) for :meth:`_deliver_rows`."""
-        box, (a, b) = part.box, part.rows
-        first = box.base + a * box.row_bytes + box.col0
-        lo, hi = first, box.base + (b - 1) * box.row_bytes + box.col1
-        if rec is not None:
-            lo, hi = rec.widen(lo, hi)
-        data = read_range(self.fs, path, lo, hi, [box.item], rec, self.pool, turn)
-        into = Into(part.dst, a, box.width, box.col0) if part.dst is not None else part.into
-        if into is None:
-            return BoxRows(data[first - lo :], box.row_bytes, hi - lo, 1)
-        into.copy(data[first - lo :], a, box.col0, part.rows, box.row_bytes)
-        self.pool.give_back(data)
-        return BoxRows(None, box.width, hi - lo, 1)
 
     def _complete(self, task: _Task, data: memoryview | BoxRows | None) -> None:
         """(calling thread) Hand a finished task's items to the planner."""
@@ -480,10 +462,12 @@ class ReadRun:
             self._count_down(task.entry)
             return
         f = task.fetch
+        kept = False
         for need in f.needs:
             it = need.item
-            self._deliver(it, data[it.start - f.start : it.end - f.start])
-        self.pool.give_back(data)  # every view of it (and tensors made from them) is gone now
+            kept |= self._deliver(it, data[it.start - f.start : it.end - f.start])
+        if not kept:  # every view of it (and tensors made from them) is gone now
+            self.pool.give_back(data)
 
     def _count_down(self, entry: _OpenItem) -> None:
         entry.pieces_left -= 1
@@ -516,22 +500,24 @@ class ReadRun:
             self.copies.copy(dst, flat[pos : pos + dst.numel()].view(lengths))
             pos += dst.numel()
 
-    def _deliver(self, it: Item, data: memoryview) -> None:
+    def _deliver(self, it: Item, data: memoryview) -> bool:
+        """Hand one item to the planner; True when it may keep a view of ``data`` (never reuse its buffer)."""
         req, planner = it.req, self.planner
         where = f"{join(self.folder, it.file)} key {it.fqn!r} at offset {it.start}"
         if req.type == LoadItemType.BYTE_IO:
             # A planner that unpickles weights-only itself (ParallelLoadPlanner) needs no trial load here:
             # each object crosses the unpickler once. Stock planners unpickle with weights_only=False.
-            raw = bytes(data)
+            # An optimizer's hyper-parameters are thousands of copies of a few small blobs: as bytes, each
+            # checked once; a larger record is read from its read buffer as it is (no copy: a 512 MiB
+            # user_content took 0.23 s to copy), which the planner may keep (a resume's user_content)
+            small = bytes(data) if data.nbytes <= 4096 else None
             if not self.allow_pickle and not getattr(planner, "loads_weights_only", False):
-                # an optimizer's hyper-parameters are thousands of copies of a few blobs: each checked once
-                small = len(raw) <= 4096
-                if not (small and raw in self._checked):
-                    check_weights_only(raw, where=where)
-                if small:
-                    self._checked.add(raw)
-            planner.load_bytes(req, io.BytesIO(raw))
-            return
+                if small is None or small not in self._checked:
+                    check_weights_only(data if small is None else small, where=where)
+                if small is not None:
+                    self._checked.add(small)
+            planner.load_bytes(req, io.BytesIO(small) if small is not None else ViewFile(data))  # type: ignore[arg-type]
+            return small is None
         if it.raw:
             target = planner.resolve_tensor(req).detach()
             dst = writable_bytes(it, target) if in_place(target) else None
@@ -540,7 +526,7 @@ class ReadRun:
                 # queues for the GIL behind the reader threads; see _tensor_bytes)
                 dst[:] = data[: dst.nbytes]
                 planner.commit_tensor(req, target)
-                return
+                return False
             src = _decode_raw(it, data)
         else:
             try:
@@ -555,6 +541,7 @@ class ReadRun:
             raise LayoutMismatch(f"{it.fqn!r}: destination {list(target.size())} vs stored slice {list(src.size())}")
         self.copies.copy(target, src)
         planner.commit_tensor(req, target)
+        return False
 
 
 def _work_key(w: FetchTask | DirectCandidate | BoxRead) -> tuple[str, int, int]:

@@ -417,6 +417,75 @@ def _flip_s3(fs: Any, url: str, opts: dict[str, Any], t: torch.Tensor, offset: i
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize("stand_in", [False, True], ids=["in-place", "cpu-stand-in"])
+def test_on_s3_a_row_group_past_max_request_bytes_is_read_as_runs_of_the_slices_columns(
+    s3: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, stand_in: bool
+) -> None:
+    """A tiled row group larger than ``max_request_bytes`` (a fused QKV's rows of 128 MiB at a 70B shape,
+    one row a group) was one request of the whole group, of which a TP=8 rank used an eighth (rev68e):
+    8x the bytes, in one buffer per reader thread. Now the slice's column groups of each row are read
+    (rows sharing a request while their span fits the cap; a run past the cap cut at column groups), each
+    tile verified where it landed. Scaled down: rows of 256 KiB, 16 KiB check units (tiles of one row), a
+    64 KiB cap; and rows of 64 KiB in row groups of 8 rows (512 KiB) under a 128 KiB cap."""
+    if stand_in:  # every destination through a read buffer and the device stage's CPU stand-in
+        monkeypatch.setenv("SMPCKPT_TEST_DEVICE", "cpu")
+    else:
+        monkeypatch.delenv("SMPCKPT_TEST_DEVICE", raising=False)
+    base, opts = s3
+    gen = torch.Generator().manual_seed(7)
+    g = {"col": torch.randn(16, 65536, generator=gen), "col_b": torch.randn(64, 16384, generator=gen)}
+    url = f"{base}/ck"
+    planner = ParallelSavePlanner(ParallelLayout(), SPECS)
+    writer = FsspecStorageWriter(url, storage_options=opts, block_size=16 << 10)
+    dcp.save({"m": {"col": g["col"]}}, storage_writer=writer, planner=planner)
+    url_b = f"{base}/ck_b"
+    writer = FsspecStorageWriter(url_b, storage_options=opts)
+    dcp.save({"m": {"col": g["col_b"]}}, storage_writer=writer, planner=planner)
+    tilings = {
+        t.row_bytes: t for f in read_manifest(url, opts).files + read_manifest(url_b, opts).files for t in f.tilings
+    }
+    assert [(t.rows_per_group, t.segment) for t in tilings.values()] == [(1, 32 << 10), (8, 8 << 10)]
+    # (url, tp, rank, cap) -> requests, bytes requested: TP=8 one 32 KiB run per row; TP=2 a 128 KiB run per
+    # row past the cap, in pieces of two column groups; row groups of 8 rows, two rows a request (72 KiB)
+    for where, tp, rank, cap, requests, nbytes in (
+        (url, 8, 1, 64 << 10, 16, 16 * (32 << 10)),
+        (url, 2, 1, 64 << 10, 32, 16 * (128 << 10)),
+        (url_b, 8, 5, 128 << 10, 32, 32 * (72 << 10)),
+    ):
+        src = g["col"] if where == url else g["col_b"]
+        dest = {"col": torch.empty(src.shape[0], src.shape[1] // tp)}
+        stats = _s3_load(where, opts, dest, tp, rank, max_request_bytes=cap)
+        assert torch.equal(dest["col"], src.chunk(tp, dim=1)[rank]), (where, tp, rank)
+        # before: a request of each whole row group, 8 (or 4) times the bytes the slice uses
+        assert (stats.requests, stats.bytes_read) == (requests, nbytes), (where, tp, rank, stats)
+    # an uneven split (TP=3: 21,846 columns of 65,536) reads the column groups its columns touch
+    dest = {"col": torch.empty(16, 21846)}
+    reader = FsspecStorageReader(url, storage_options=opts, max_request_bytes=64 << 10)
+    specs = {"m.col": ShardSpec(1, sizes=(21845, 21846, 21845))}
+    dcp.load({"m": dest}, storage_reader=reader, planner=ParallelLoadPlanner(ParallelLayout(tp=3), specs, rank=1))
+    assert torch.equal(dest["col"], g["col"][:, 21845:43691])
+    assert reader.last_read_stats.bytes_read == 16 * 4 * (32 << 10)  # column groups 2..5 of each row
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **opts)
+    # a flipped byte in row 5, column group 1 (TP=8 rank 1's): refused, naming the tile and the key; the
+    # same flip in column group 3, which rank 1 does not read, leaves its load bit-exact
+    for group, refused in ((3, False), (1, True)):
+        name = _flip_s3(fs, url, opts, g["col"], 5 * 65536 * 4 + group * (32 << 10) + 100)
+        dest = {"col": torch.empty(16, 8192)}
+        if refused:
+            with pytest.raises(CheckpointException) as info:
+                _s3_load(url, opts, dest, 8, 1, max_request_bytes=64 << 10)
+            err = unwrap(info.value)
+            assert isinstance(err, CheckpointCorrupt) and "checksum mismatch" in str(err), err
+            assert name in str(err) and "m.col" in str(err), err
+        else:
+            _s3_load(url, opts, dest, 8, 1, max_request_bytes=64 << 10)
+            assert torch.equal(dest["col"], g["col"][:, 8192:16384])
+        _flip_s3(fs, url, opts, g["col"], 5 * 65536 * 4 + group * (32 << 10) + 100)  # back
+
+
+@pytest.mark.s3
 def test_on_s3_a_full_artifact_loads_a_column_split_with_few_spanning_reads(s3: tuple[str, dict[str, Any]]) -> None:
     base, opts = s3
     g = {"col": torch.randn(256, 8192)}

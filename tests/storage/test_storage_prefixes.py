@@ -245,11 +245,20 @@ def test_s3_sink_grows_its_parts_past_the_part_limit(
 
 def test_part_schedule_reaches_s3s_object_limit() -> None:
     """The default schedule: whatever the first part size, 10,000 parts hold S3's 5 TiB object (from
-    32 MiB parts: the 312 GiB that failed before is passed by part ~4,000), and no part exceeds 5 GiB."""
-    for first in (MIN_PART_SIZE, 32 << 20, 1 << 30):
+    32 MiB parts: the 312 GiB that failed before is passed by part ~4,000), and no part exceeds 5 GiB.
+    From the 5 MiB minimum, doubling every 1,000 parts held 4.88 TiB, so a file of 4.9-5 TiB failed at
+    part 10,001 (the sink's docstring promised 5 TiB); the last 1,000 parts now take one more doubling.
+    The first 1,000 parts stay as given (ordinary files hold no larger buffers)."""
+    starts = (MIN_PART_SIZE, MIN_PART_SIZE + 1, (5 << 20) + (1 << 17), 8 << 20, (10 << 20) - 1, 10 << 20)
+    for first in (*starts, 16 << 20, 32 << 20, 100 << 20, 1 << 30, MAX_PART_SIZE):
         sizes = [part_size_of(n, first) for n in range(1, MAX_PARTS + 1)]
-        assert sizes[0] == first and max(sizes) <= MAX_PART_SIZE
-        assert sum(sizes) >= (5 << 40) * 0.97  # 4.88 TiB at the 5 MiB minimum, more from larger starts
+        assert sizes[:1000] == [first] * 1000 and max(sizes) <= MAX_PART_SIZE, first
+        assert sizes == sorted(sizes), first  # never shrinks (the sink drops buffers of a smaller size)
+        assert sum(sizes) >= 5 << 40, (first, sum(sizes) / (1 << 40))
+    sizes = [part_size_of(n, MIN_PART_SIZE) for n in range(1, MAX_PARTS + 1)]
+    # 5, 10, ... 1,280 MiB a thousand parts each, then 5 GiB: a 5 TiB file ends within part 9,525
+    assert sizes[8999] == MIN_PART_SIZE << 8 and sizes[9000] == MAX_PART_SIZE
+    assert sum(sizes[:9525]) >= 5 << 40 > sum(sizes[:9524])
     assert sum(part_size_of(n, 32 << 20) for n in range(1, 4001)) > 320 << 30
 
 

@@ -1,0 +1,132 @@
+"""Column slices on object stores: a box part's rows (:class:`~smpckpt.storage.read._plan.BoxRead`, whole
+row groups) fetched in ranged requests of at most the reader's ``max_request_bytes``, verified, and copied
+into the destination on the worker thread.
+
+A part whose span fits the cap is one request from its first row's first column to its last row's last
+(S3 charges by the request, not by the gaps), widened to whole check units. A tiled row group past the cap
+(a fused QKV's rows of 128 MiB, one row a group) used to be one request of the whole group, of which a TP
+rank uses its columns; it is read as runs of the slice's column groups instead (:func:`runs`): rows close
+enough share a request, gaps read into scratch, and a run longer than the cap goes in pieces of whole
+column groups. The runs land back to back, so each tile of the slice's columns is checked where it
+landed once its row group is in, and only the slice's columns are held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from smpckpt.storage.format._columns import Into
+from smpckpt.storage.format.manifest import FileRecord
+from smpckpt.storage.read._fetch import BoxRows, BufferPool, check_complete, read_range, reading, reads_into, verify_box
+from smpckpt.storage.read._plan import BoxRead
+
+__all__ = ["fetch_rows", "runs"]
+
+
+def runs(box: BoxRead, rows: tuple[int, int], cap: int) -> list[tuple[int, int, int, int]]:
+    """The requests that read the box's columns of ``rows`` (a tiled box's whole row groups), each
+    ``(first row, end row, first byte column, end byte column)`` of the record: rows whose span (first
+    row's first column to last row's last, gaps included) fits ``cap`` share one; a single row's run past
+    ``cap`` is cut into pieces of whole column groups of at most ``cap`` (at least one group: the smallest
+    unit a read can verify on its own)."""
+    if box.tiling is None:
+        raise ValueError(f"runs of an untiled box of {box.item.fqn!r}")
+    a, b = rows
+    w, rb, seg = box.width, box.row_bytes, box.tiling.segment
+    if w > cap:
+        step = max(1, cap // seg) * seg
+        return [(r, r + 1, c, min(c + step, box.col1)) for r in range(a, b) for c in range(box.col0, box.col1, step)]
+    per = 1 + (cap - w) // rb  # rows one request holds
+    return [(r, min(b, r + per), box.col0, box.col1) for r in range(a, b, per)]
+
+
+def fetch_rows(
+    fs: Any,
+    path: str,
+    box: BoxRead,
+    rows: tuple[int, int],
+    rec: FileRecord | None,
+    pool: BufferPool,
+    cap: int,
+    dst: memoryview | None,
+    into: Into | None,
+    turn: AbstractContextManager[None] | None,
+) -> BoxRows:
+    """(worker thread) Rows ``rows`` of ``box`` (whole row groups), verified against ``rec`` (``None``: not
+    verified), into ``dst`` (the destination's own rows, when it takes them as stored), through ``into``
+    (the item's destination, whole), or handed back (``BoxRows.data``, rows ``pitch`` bytes apart from the
+    box's first column) for the calling thread to deliver."""
+    a, b = rows
+    first = box.base + a * box.row_bytes + box.col0
+    lo, hi = first, box.base + (b - 1) * box.row_bytes + box.col1
+    if rec is not None:
+        lo, hi = rec.widen(lo, hi)
+    if hi - lo > cap and box.tiling is not None and rec is not None:
+        return _fetch_runs(fs, path, box, rows, rec, pool, cap, dst, into, turn)
+    data = read_range(fs, path, lo, hi, [box.item], rec, pool, turn)
+    into = Into(dst, a, box.width, box.col0) if dst is not None else into
+    if into is None:
+        return BoxRows(data[first - lo :], box.row_bytes, hi - lo, 1)
+    into.copy(data[first - lo :], a, box.col0, rows, box.row_bytes)
+    pool.give_back(data)
+    return BoxRows(None, box.width, hi - lo, 1)
+
+
+def _fetch_runs(
+    fs: Any,
+    path: str,
+    box: BoxRead,
+    rows: tuple[int, int],
+    rec: FileRecord,
+    pool: BufferPool,
+    cap: int,
+    dst: memoryview | None,
+    into: Into | None,
+    turn: AbstractContextManager[None] | None,
+) -> BoxRows:
+    """:func:`fetch_rows` of a tiled row group past ``cap``: the :func:`runs` land back to back (``width``
+    bytes a row) in ``dst`` or one buffer of the slice's columns; every tile in them verified after."""
+    a, b = rows
+    w, rb = box.width, box.row_bytes
+    out = dst if dst is not None else memoryview(pool.take((b - a) * w))[: (b - a) * w]
+    plan = runs(box, rows, cap)
+    # the gap between two rows of one request: read, never used (a request of several rows only)
+    sink = memoryview(bytearray(rb - w)) if any(r1 - r0 > 1 for r0, r1, _, _ in plan) else None
+    nbytes = 0
+    with reading(path, [box.item.fqn], turn):
+        for r0, r1, c0, c1 in plan:
+            views: list[memoryview] = []
+            for r in range(r0, r1):
+                at = (r - a) * w + c0 - box.col0
+                views.append(out[at : at + c1 - c0])
+                if r + 1 < r1 and sink is not None:
+                    views.append(sink)
+            start = box.base + r0 * rb + c0
+            want = (r1 - r0 - 1) * rb + c1 - c0
+            check_complete(path, [box.item.fqn], start, start + want, _get_into(fs, path, start, want, views))
+            nbytes += want
+    verify_box(path, box, rec, out, w, a, rows)
+    if into is not None:
+        into.copy(out, a, box.col0, rows, w)
+    if dst is not None or into is not None:
+        if dst is None:
+            pool.give_back(out)
+        return BoxRows(None, w, nbytes, len(plan))
+    return BoxRows(out, w, nbytes, len(plan))
+
+
+def _get_into(fs: Any, path: str, start: int, n: int, views: Sequence[memoryview]) -> int:
+    """File bytes ``[start, start + n)`` into ``views`` in order (S3: the GET body streamed in); the bytes got."""
+    if reads_into(fs):
+        from smpckpt.storage.backends._s3 import get_range_into
+
+        return get_range_into(fs, path, start, start + n, views)
+    data = memoryview(fs.cat_file(path, start=start, end=start + n))
+    pos = 0
+    for v in views:
+        k = min(len(v), len(data) - pos)
+        v[:k] = data[pos : pos + k]
+        pos += k
+    return len(data)

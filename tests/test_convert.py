@@ -335,7 +335,9 @@ def test_conversion_to_one_file_works_where_the_filesystem_has_no_hard_links(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "full.pt"]  # no temporary left
 
 
-def test_conversion_into_a_numbered_root_warns_that_it_has_no_number(tmp_path: Path) -> None:
+def test_conversion_into_a_numbered_root_warns_that_it_has_no_number(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """commit68 L2: ``convert --to dcp`` into a root of numbered saves wrote a checkpoint without a sequence
     number, silently: that root's retention removes it first and a tag-less resume passes it over."""
     model = nn.Linear(3, 2)
@@ -344,6 +346,12 @@ def test_conversion_into_a_numbered_root_warns_that_it_has_no_number(tmp_path: P
     (tmp_path / "out").mkdir()
     with pytest.warns(UserWarning, match=r"conv_partial is written into .*root, whose checkpoints are numbered"):
         convert_checkpoint(tmp_path / "root" / "s1_partial", tmp_path / "root" / "conv_partial", to="dcp")
+    with pytest.raises(smpckpt.CheckpointExists), warnings.catch_warnings():  # refused: no warning first (rev69a L4)
+        warnings.simplefilter("error")
+        convert_checkpoint(tmp_path / "root" / "s1_partial", tmp_path / "root" / "conv_partial", to="dcp")
+    monkeypatch.chdir(tmp_path / "root")  # a bare relative output names the working folder (rev69a L2)
+    with pytest.warns(UserWarning, match=r"rel_partial is written into .*root, whose checkpoints are numbered"):
+        convert_checkpoint("s1_partial", "rel_partial", to="dcp")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a plain folder, and a root of converted ones only: no warning
         convert_checkpoint(tmp_path / "root" / "s1_partial", tmp_path / "out" / "conv_partial", to="dcp")

@@ -38,8 +38,7 @@ from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
 __all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
 __all__ += ["load_checkpoint", "apply_state", "stateless_at_save", "InventedState"]
-__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "in_place"]
-__all__ += ["RecordSlot"]
+__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "in_place", "RecordSlot"]
 
 
 class RecordSlot(ObjectBytes):
@@ -146,6 +145,8 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
             plain = join_url(root, tag)
             if (legacy := probe_checkpoint(plain, storage_options)).state == "legacy":
                 url, found = plain, legacy
+            if detail := found.detail or legacy.detail:  # a file where the folder would be (the root's own files)
+                raise CheckpointNotFound(f"no checkpoint {tag!r}: {url if found.detail else plain} is {detail}")
         if found.manifest is None:
             if found.state == "missing":
                 return None
@@ -372,9 +373,8 @@ def load_checkpoint(
 def in_place(common: CommonRequest, opts: ResumeOptions) -> bool:
     """Whether a load writes into the live model or optimizers: not a partial resume's with a translate_function
     and no optimizer (its model keys land aside, :func:`~smpckpt.api.options.aside`), nor one without a model."""
-    return common.model is not None and (
-        bool(common.optimizers) or not (opts.partial and callable(opts.translate_function))
-    )
+    aside_ = opts.partial and callable(opts.translate_function)
+    return common.model is not None and (bool(common.optimizers) or not aside_)
 
 
 def apply_state(

@@ -416,6 +416,8 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
     """Judge one ``{tag}_partial`` folder for the job of ``owner`` (``None``: any job's); with its manifest."""
     if os.path.islink(folder):
         return LocalCopy("foreign", detail=f"a link to {os.path.realpath(folder)} (the fast tier writes none)"), None
+    if os.path.lexists(folder) and not os.path.isdir(folder):  # (read as absent below: rev69a M1)
+        return LocalCopy("unreadable", detail=f"{folder} is a file, not a folder"), None
     fs, path = open_root(folder)
     try:
         data = read_bytes_or_none(fs, join(path, MANIFEST_NAME))

@@ -198,7 +198,6 @@ def convert_checkpoint(
             raise FileExistsError(f"{out_url} exists; pass overwrite=True (--overwrite) to replace it")
         _save_file(fs, path, state, overwrite=overwrite)
     else:
-        _warn_in_numbered_root(out_url, out_storage_options)
         extra: dict[str, Any] = {}
         if RESERVED.user_content in state:  # one record, as a save writes it: stock DCP's planner would
             # flatten a dict into keys a resume does not know (``user_content.step``) and refuse them; the
@@ -219,6 +218,7 @@ def convert_checkpoint(
                 dcp.save(state, storage_writer=writer, planner=_RecordPlanner(), no_dist=True)
         except CheckpointException as exc:
             raise translate_dcp(exc, f"writing {out_url}") from exc
+        _warn_in_numbered_root(out_url, out_storage_options)  # (once written: not before a refusal, rev69a L4)
     tensors = [v for v in flat.values() if isinstance(v, torch.Tensor)]
     report = ConvertReport(
         tensors=len(tensors),
@@ -236,15 +236,16 @@ def convert_checkpoint(
 def _warn_in_numbered_root(out_url: str, storage_options: Mapping[str, Any] | None) -> None:
     """A ``{root}/{tag}_partial`` output beside numbered saves carries no sequence number (commit68 L2): the
     root's retention counts it oldest, so removes it first, and a ``newest`` naming it is passed over."""
-    root, _, name = out_url.rstrip("/").rpartition("/")
+    root, _, name = (out_url if "://" in out_url else os.path.abspath(out_url)).rstrip("/").rpartition("/")
     if not root or catalog.tag_of_partial_dirname(name) is None:
         return
     with contextlib.suppress(OSError, ValueError):  # an unreadable root: nothing to say (the write reports it)
         if catalog.highest_sequence(root, storage_options) > 0:
             warnings.warn(
                 f"{out_url} is written into {root}, whose checkpoints are numbered by the saves that wrote them; "
-                "a converted one has no number: that root's retention removes it first and a tag-less resume "
-                f"passes it over (resume it by its tag, or convert into a folder outside {root})",
+                "a converted one has no number: that root's retention removes it first, a tag-less resume passes "
+                "it over, and a save after resuming it by its tag takes every numbered save there for abandoned "
+                f"(kept, never counted). Convert into a folder outside {root}",
                 stacklevel=3,
             )
 

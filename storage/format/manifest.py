@@ -556,9 +556,12 @@ def probe(fs: Any, folder: str, *, list_when_empty: bool = True, known: Manifest
     try:
         with translate_errors(folder):
             entries = ls_fresh(fs, folder, detail=False)
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         entries = []
-    if [str(e).rstrip("/") for e in entries] == [folder.rstrip("/")]:  # a file lists as itself: no folder here
+    except NotADirectoryError:  # a file on the way to it: no folder here (named, not taken for an empty root)
+        return Probe("missing", detail="under a file, not a folder")
+    # a file lists as itself (not an S3 folder marker ``x/``, an empty folder: uncommitted as before)
+    if [str(e) for e in entries] == [folder.rstrip("/")]:
         return Probe("missing", detail="a file, not a checkpoint folder")
     if entries:
         marked = any(str(e).rstrip("/").rsplit("/", 1)[-1] == REMOVING_NAME for e in entries)

@@ -290,6 +290,19 @@ def test_a_corrupt_fast_tier_manifest_is_named(tiered: tuple[str, str]) -> None:
     assert f"FAILED fast tier step3: 1 problem(s)\n  {path} is " in err
 
 
+def test_a_file_where_a_fast_copy_folder_would_be_is_a_problem_verify_names(tiered: tuple[str, str]) -> None:
+    """rev69a M1: with a path through a file read as absent, a node whose ``{tag}_partial`` is a file read as
+    "uncommitted, no files" and ``verify --local`` passed; it is unreadable, naming the file."""
+    root, node = tiered
+    folder = f"{_j(node, root)}/step3_partial"
+    shutil.rmtree(folder)
+    with open(folder, "wb") as f:
+        f.write(b"not a folder")
+    rc, out, err = _run("verify", f"{root}/step3", "--local", node)
+    assert rc == 1, (out, err)
+    assert f"{folder} is a file, not a folder" in out + err
+
+
 def test_usage_errors_and_unknown_tags(tiered: tuple[str, str], tmp_path: Any) -> None:
     root, node = tiered
     missing = str(tmp_path / "nowhere")

@@ -43,6 +43,7 @@ from smpckpt import (
     ExportOptions,
     LayoutMismatch,
     ParallelLayout,
+    ResumeOptions,
     ShardSpec,
     resume_from_checkpoint,
     save_checkpoint,
@@ -382,10 +383,13 @@ def test_resuming_the_roll_back_record_by_name_says_it_is_a_file(tmp_path: Any) 
     resume_from_checkpoint(root, "s1", model=m)
     save_checkpoint(root, "s3", model=m)  # a roll-back's save writes the record
     assert os.path.isfile(tmp_path / "smpckpt.abandoned")
-    with pytest.raises(CheckpointNotFound, match=r"no checkpoint 'smpckpt\.abandoned' under"):
+    with pytest.raises(CheckpointNotFound, match=r"smpckpt\.abandoned is a file, not a checkpoint folder"):
         resume_from_checkpoint(root, "smpckpt.abandoned", model=m)
     with pytest.raises(CheckpointNotFound, match=r"smpckpt\.abandoned \(a file, not a checkpoint folder\)"):
         resume_from_checkpoint(root, "smpckpt.abandoned", partial=False, model=m)
+    # a root under a file is no empty root to start afresh in (rev69a L3: missing_ok started fresh)
+    with pytest.raises(CheckpointNotFound, match=r"s1_partial is under a file, not a folder"):
+        resume_from_checkpoint(f"{root}/newest/run", "s1", model=m, options=ResumeOptions(missing_ok=True))
 
 
 def test_strict_refuses_checkpoint_keys_the_model_lacks(tmp_path: Any) -> None:

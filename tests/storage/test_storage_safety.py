@@ -155,3 +155,22 @@ def test_metadata_cannot_allocate_by_an_argument() -> None:
     data = pickle.dumps(Metadata(state_dict_metadata={}, planner_data={"x": _Alloc()}), protocol=2)
     with pytest.raises(UnsafeCheckpoint, match=r"global '(__builtin__|builtins)\.bytearray' is not allowed"):
         load_metadata(data, where="t")
+
+
+def test_a_file_where_a_checkpoint_folder_would_be_is_named(backend: tuple[str, dict[str, Any]]) -> None:
+    """rev68h F3, rev69a L1: a file in a checkpoint folder's place probes "missing", saying it is a file (a
+    resume raised a raw NotADirectoryError); an S3 folder marker ``x/`` alone is an empty folder, uncommitted
+    as before, not "a file"; on local disk a folder under a file is named so too."""
+    from smpckpt.storage import open_fs, probe_checkpoint
+
+    base, opts = backend
+    fs, path = open_fs(f"{base}/x_partial", opts)
+    fs.pipe_file(path, b"not a folder")
+    found = probe_checkpoint(f"{base}/x_partial", opts)
+    assert (found.state, found.detail) == ("missing", "a file, not a checkpoint folder")
+    if base.startswith("s3://"):
+        fs.pipe_file(f"{path[: -len('x_partial')]}m_partial/", b"")  # what consoles and S3A create
+        assert probe_checkpoint(f"{base}/m_partial", opts).state == "uncommitted"
+    elif "://" not in base:
+        found = probe_checkpoint(f"{base}/x_partial/y_partial", opts)
+        assert (found.state, found.detail) == ("missing", "under a file, not a folder")

@@ -349,3 +349,13 @@ def test_large_objects_pass_the_weights_only_check_and_stock_planners_from_the_r
         )
     (err, _tb), *_ = info.value.failures.values()  # DCP's per-rank failures
     assert isinstance(err, UnsafeCheckpoint) and "key 'obj'" in str(err), repr(err)
+
+
+def test_a_view_file_refuses_an_unknown_whence() -> None:
+    """rev69b: ``ViewFile.seek(0, 7)`` raised ``KeyError: 7``; a file object raises ``ValueError``."""
+    from smpckpt.storage.format._safe_pickle import ViewFile
+
+    f = ViewFile(memoryview(b"abc"))
+    with pytest.raises(ValueError, match="invalid whence"):
+        f.seek(0, 7)
+    assert f.seek(-1, 2) == 2 and f.read() == b"c"

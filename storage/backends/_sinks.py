@@ -36,7 +36,7 @@ def part_size_of(number: int, first: int, every: int = PART_GROWTH_EVERY) -> int
     ``first``, doubled every ``every`` parts, and once more for the last ``every`` parts before
     :data:`MAX_PARTS` (up to :data:`MAX_PART_SIZE`)."""
     doublings = (number - 1) // every
-    if number > MAX_PARTS - every:
+    if number > max(every, MAX_PARTS - every):  # (a growth step past half the parts: never the first ones)
         # doubling alone from S3's 5 MiB minimum holds 1,000 x 5 MiB x 1,023 = 4.88 TiB in 10,000 parts, short
         # of its 5 TiB object: the last thousand parts take the next size (5 GiB from any start below 10 MiB),
         # which only files past the first 9,000 parts (2.4 TiB from 5 MiB) ever reach

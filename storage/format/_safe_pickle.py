@@ -336,7 +336,7 @@ def load_metadata(data: bytes, *, where: str) -> Any:
 #: values whose pickle says all there is to them (no tensor, no class of the user's)
 _ATOMS = (int, float, bool, complex, str, bytes, type(None))
 #: a memo keeps decoded objects this small (an optimizer's hyper-parameter is ~1.3 KB)
-_MEMO_BYTES = 4096
+MEMO_BYTES = 4096
 
 
 def _plain(value: Any, *, immutable: bool) -> bool:
@@ -374,11 +374,11 @@ def decode_object(raw: bytes | io.BytesIO | ViewFile, memo: dict[bytes, Any], *,
     bytes load to the same value, so the memo keeps what the (weights-only) load accepted, and only
     immutable results (atoms, tuples of them), which a caller cannot change under the other keys sharing
     them. A large record in a :class:`ViewFile` is loaded from it as it lies (no copy into ``bytes``)."""
-    if isinstance(raw, ViewFile) and len(raw.view()) > _MEMO_BYTES:
+    if isinstance(raw, ViewFile) and len(raw.view()) > MEMO_BYTES:
         return torch.load(record_file(raw.view()), weights_only=weights_only, map_location="cpu")
     if not isinstance(raw, bytes):
         raw = raw.read()
-    small = len(raw) <= _MEMO_BYTES
+    small = len(raw) <= MEMO_BYTES
     if small and raw in memo:
         return memo[raw]
     obj = torch.load(io.BytesIO(raw), weights_only=weights_only, map_location="cpu")
@@ -412,7 +412,10 @@ class ViewFile(io.BufferedIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        bases = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}
+        if whence not in bases:
+            raise ValueError(f"invalid whence ({whence}, should be 0, 1 or 2)")
+        base = bases[whence]
         if base + offset < 0:
             raise ValueError(f"negative seek position {base + offset}")
         self._pos = base + offset

@@ -45,7 +45,7 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch
 from smpckpt.storage.backends._fs import is_local, join
 from smpckpt.storage.format._columns import Into
 from smpckpt.storage.format._reading import Fetch, c_strides, range_boxes
-from smpckpt.storage.format._safe_pickle import ViewFile, check_weights_only
+from smpckpt.storage.format._safe_pickle import MEMO_BYTES, ViewFile, check_weights_only
 from smpckpt.storage.format._staging import DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._fetch import BoxRows, BufferPool, DirectPart, read_box, read_direct, read_range
@@ -510,7 +510,7 @@ class ReadRun:
             # An optimizer's hyper-parameters are thousands of copies of a few small blobs: as bytes, each
             # checked once; a larger record is read from its read buffer as it is (no copy: a 512 MiB
             # user_content took 0.23 s to copy), which the planner may keep (a resume's user_content)
-            small = bytes(data) if data.nbytes <= 4096 else None
+            small = bytes(data) if data.nbytes <= MEMO_BYTES else None
             if not self.allow_pickle and not getattr(planner, "loads_weights_only", False):
                 if small is None or small not in self._checked:
                     check_weights_only(data if small is None else small, where=where)

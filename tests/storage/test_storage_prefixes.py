@@ -260,6 +260,8 @@ def test_part_schedule_reaches_s3s_object_limit() -> None:
     assert sizes[8999] == MIN_PART_SIZE << 8 and sizes[9000] == MAX_PART_SIZE
     assert sum(sizes[:9525]) >= 5 << 40 > sum(sizes[:9524])
     assert sum(part_size_of(n, 32 << 20) for n in range(1, 4001)) > 320 << 30
+    # a test's growth step past half the parts never doubles the first ones (rev69b: from part 1 at 10,000)
+    assert [part_size_of(n, 8 << 20, every) for every in (9999, 10_000) for n in (1, 2)] == [8 << 20] * 4
 
 
 def test_part_body_reads_like_a_file() -> None:

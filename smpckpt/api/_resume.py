@@ -39,8 +39,7 @@ from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
 __all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
 __all__ += ["load_checkpoint", "apply_state", "stateless_at_save", "InventedState"]
-__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "in_place"]
-__all__ += ["RecordSlot"]
+__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "in_place", "RecordSlot"]
 
 
 class RecordSlot(ObjectBytes):

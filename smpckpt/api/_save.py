@@ -56,6 +56,7 @@ from smpckpt.api._resume import (
 from smpckpt.api.options import ExportOptions, Retention, SaveOptions
 from smpckpt.catalog._abandoned import write_abandoned
 from smpckpt.catalog.root import (
+    ABANDONED_KEY,
     ABANDONED_NAME,
     NEWEST_NAME,
     SEQUENCE_KEY,
@@ -222,7 +223,7 @@ def publish_newest(req: SaveRequest, ctx: DistContext, extra: Mapping[str, Any] 
     that rolled back (``extra``, rank 0's) first leaves the root's copy of what it abandoned (catalog.root)."""
 
     def point() -> None:
-        if extra:
+        if extra and extra.get(ABANDONED_KEY):
             try:
                 write_abandoned(req.root, req.storage_options, req.tag, extra)
             except (OSError, CheckpointError) as exc:  # the manifest holds the record too

@@ -285,10 +285,12 @@ class SequenceCounter:
             # another writer of this root in this process (a second model's Checkpointer, one beside smp's face)
             # has its own counter: ``newest`` names the last commit of any, so a new save is numbered after it
             found = newest_record(self.root, self.storage_options, self.manifests)
-            tag, seq, job = (
+            tag, seq, theirs = (
                 (found.tag, found.order[0], found.extra.get(JOB_KEY)) if found and found.committed else ("", 0, None)
             )
-            if guard and job not in (None, self.job) and (seq > self._highest or seq == self._drawn > 0):  # None: older
+            if (
+                guard and theirs not in (None, self.job) and (seq > self._highest or seq == self._drawn > 0)
+            ):  # None: older
                 raise RootInUse(
                     f"another job is saving into {self.root}: its checkpoint {tag!r} (sequence {seq}) committed after "
                     f"this job's last save {self._tag or '(none)'!r} (sequence {self._drawn}); this save is refused, "

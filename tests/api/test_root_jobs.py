@@ -5,60 +5,16 @@ Checkpointer"). The other job is a real second process (its own identity, ``extr
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
-import torch
+from dist_harness import run_world
+from root_jobs_workers import model, other_job, refused_world
 from torch import nn
 
 from smpckpt import Checkpointer, FastTier, Location, Retention, SaveOptions, resume_from_checkpoint, save_checkpoint
 from smpckpt.catalog.root import JOB_KEY, newest_tag, scan_root
 from smpckpt.errors import RootInUse
-
-#: the other job: builds the model below, resumes (argv[3] == "resume") or not, saves argv[2] (keeping 1)
-_JOB = r"""
-import json, sys, torch
-from torch import nn
-import smpckpt
-root, tag, resume, options = sys.argv[1], sys.argv[2], sys.argv[3] == "resume", json.loads(sys.argv[4])
-torch.manual_seed(1)
-m = nn.Linear(4, 2)
-o = torch.optim.AdamW(m.parameters(), lr=1e-2)
-m(torch.randn(3, 4)).sum().backward()
-o.step()
-where = smpckpt.Location(root, storage_options=options)
-with smpckpt.Checkpointer(where, retention=smpckpt.Retention(num_kept_partial_checkpoints=1)) as ckpt:
-    if resume:
-        ckpt.resume(model=m, optimizer=o)
-        print("resumed", ckpt.last_resume_info.tag, flush=True)
-    ckpt.save(tag, m, o)
-"""
-
-
-def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    m = nn.Linear(4, 2)
-    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    m(torch.randn(3, 4)).sum().backward()
-    o.step()
-    return m, o
-
-
-def _other_job(root: str, tag: str, resume: bool = False, options: dict[str, Any] | None = None) -> str:
-    """Run the other job to its end; its stdout and stderr (the warnings)."""
-    done = subprocess.run(
-        [sys.executable, "-c", _JOB, root, tag, "resume" if resume else "fresh", json.dumps(options)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout + done.stderr
 
 
 def _committed(root: str, options: dict[str, Any] | None = None) -> list[str]:
@@ -88,12 +44,12 @@ def test_a_second_job_saving_into_the_root_is_refused_at_the_next_save_and_nothi
     if where == "s3":
         root, options = request.getfixturevalue("s3_root")
     tier = FastTier(str(tmp_path / "fast"), replicas=1) if where == "tiered" else None  # s1 drains to path
-    m, o = _model()
+    m, o = model()
     keep = Retention(num_kept_partial_checkpoints=1)
     with Checkpointer(Location(root, storage_options=options), fast_tier=tier, retention=keep) as a:
         a.save("s1", m, o)
         a.wait()
-        said = _other_job(root, "t1", options=options)
+        said = other_job(root, "t1", options=options)
         assert _committed(root, options) == ["s1", "t1"]  # before: ["t1"], B's retention removed A's s1
         assert "'s1'" in said and "kept as abandoned" in said, said
         _refused_naming_the_other(a, m, o, root, "t1", "s1")
@@ -107,10 +63,10 @@ def test_a_restart_that_resumed_saves_on_and_the_job_it_replaced_is_refused(tmp_
     """A restart resumes the newest checkpoint (another process's) and saves: not refused, its retention
     removes its history's oldest as always; the first process, still saving there, is the job refused."""
     root = str(tmp_path)
-    m, o = _model()
+    m, o = model()
     with Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=2)) as a:
         a.save("s1", m, o)
-        said = _other_job(root, "t1", resume=True)
+        said = other_job(root, "t1", resume=True)
         assert "resumed s1" in said and "abandoned" not in said, said
         assert _committed(root) == ["t1"]  # keeping 1: s1 was the restarted job's own history
         _refused_naming_the_other(a, m, o, root, "t1", "s1")
@@ -121,8 +77,8 @@ def test_checkpointers_of_one_process_in_one_root_are_one_job(tmp_path: Any) -> 
     """Two models' Checkpointers and smp's face, saving in turn into one root (each after the others' commits),
     are one job: none is refused, each save is numbered after the last, and every manifest names one job."""
     root = str(tmp_path)
-    m, o = _model()
-    n, p = _model()
+    m, o = model()
+    n, p = model()
     with Checkpointer(root) as first, Checkpointer(root) as second:
         for step in range(2):
             first.save(f"a{step}", m, o)
@@ -134,3 +90,14 @@ def test_checkpointers_of_one_process_in_one_root_are_one_job(tmp_path: Any) -> 
     ]
     assert len({r.extra[JOB_KEY] for r in records}) == 1
     resume_from_checkpoint(root, model=m, optimizer=o)  # the newest: c1, this process's own
+
+
+@pytest.mark.dist
+def test_every_rank_of_the_refused_job_gets_the_refusal(tmp_path: Any) -> None:
+    """Two ranks: rank 0 draws the number and refuses, the other rank gets the same class naming rank 0 (no
+    hang); nothing written."""
+    root = str(tmp_path)
+    got = run_world(refused_world, 2, root, timeout=180)
+    assert "give each job its own path" in got[0]["error"] and "'t1'" in got[0]["error"], got
+    assert got[1]["error"].startswith("rank 0 failed: another job is saving into"), got
+    assert got[0]["dirs"] == got[1]["dirs"] == ["newest", "s1_partial", "smpckpt.abandoned", "t1_partial"], got

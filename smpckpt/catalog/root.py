@@ -43,7 +43,7 @@ from smpckpt.storage.backends._fs import StampedCache, is_local, ls_fresh, trans
 
 __all__ = ["KeepLatestN", "select_for_removal", "apply_retention", "RetentionResult"]
 __all__ += ["validate_keep", "CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag"]
-__all__ += ["highest_sequence", "NEWEST_NAME", "PARTIAL_SUFFIX", "validate_tag", "is_valid_tag", "partial_dirname"]
+__all__ += ["NEWEST_NAME", "PARTIAL_SUFFIX", "validate_tag", "is_valid_tag", "partial_dirname"]
 __all__ += ["tag_of_partial_dirname", "join_url", "partial_url", "read_newest", "write_newest", "list_partial_tags"]
 __all__ += ["open_root", "SEQUENCE_KEY", "sequence_of", "SequenceCounter", "newest_record", "split_lineage"]
 __all__ += ["ManifestCache", "ABANDONED_KEY", "ABANDONED_NAME", "abandoned_of"]
@@ -280,23 +280,15 @@ class SequenceCounter:
         is the newest (README, "The Checkpointer": a second job saving into the root); ``job``: this job's identity."""
         self.job = job
         if not self._listed and not self.offline:
-            self._first_listing(scan_root(self.root, storage_options=self.storage_options, cache=self.manifests))
+            self._first_listing(scan_root(self.root, storage_options=self.storage_options, cache=self.manifests), guard)
         elif not self.offline:  # (offline: not read, its timeouts paid again by each save: rev68b F3)
             # another writer of this root in this process (a second model's Checkpointer, one beside smp's face)
             # has its own counter: ``newest`` names the last commit of any, so a new save is numbered after it
             found = newest_record(self.root, self.storage_options, self.manifests)
-            tag, seq, theirs = (
-                (found.tag, found.order[0], found.extra.get(JOB_KEY)) if found and found.committed else ("", 0, None)
-            )
-            if (
-                guard and theirs not in (None, self.job) and (seq > self._highest or seq == self._drawn > 0)
-            ):  # None: older
-                raise RootInUse(
-                    f"another job is saving into {self.root}: its checkpoint {tag!r} (sequence {seq}) committed after "
-                    f"this job's last save {self._tag or '(none)'!r} (sequence {self._drawn}); this save is refused, "
-                    "nothing written (its retention would remove that job's checkpoints, and a tag-less resume take "
-                    "the other's state): give each job its own path"
-                )
+            seq = found.order[0] if found is not None and found.committed else 0
+            if guard and seq and found and found.extra.get(JOB_KEY) not in (None, job):  # None: an older version's
+                if seq > self._highest or seq == self._drawn:  # not seen by this job: committed since its last draw
+                    raise self._refused(found, self._tag, self._drawn)
             self.read = max(self.read, seq)
             self.saw(self.read)
         with self._lock:
@@ -306,20 +298,33 @@ class SequenceCounter:
             self._highest = self._drawn = self._highest + 1
             return self._highest
 
-    def _first_listing(self, records: Sequence[CheckpointRecord]) -> None:
-        """A job that resumed nothing saving first into a root of other jobs' checkpoints goes on as from a roll-back
-        to 0: they are abandoned (kept, never removed nor counted: a job may still be saving there), with a warning."""
-        mine = [r for r in records if r.committed]
-        self.saw(max((r.order[0] for r in mine), default=0), listed=True)
-        if self._parent is None and mine and all(r.extra.get(JOB_KEY) != self.job for r in mine):
+    def _first_listing(self, records: Sequence[CheckpointRecord], guard: bool) -> None:
+        """A job that resumed nothing (a Checkpointer built per save; a fresh start): another job's checkpoint above
+        all of its own is refused as by :meth:`next`; holding none of its own, it is a roll-back to 0 (warned)."""
+        committed = [r for r in records if r.committed]  # oldest first
+        self.saw(max((r.order[0] for r in committed), default=0), listed=True)
+        mine = [r for r in committed if r.extra.get(JOB_KEY) == self.job]
+        if self._parent is not None or not committed or committed[-1] in mine[-1:]:
+            return
+        if mine and guard and committed[-1].extra.get(JOB_KEY) is not None:
+            raise self._refused(committed[-1], mine[-1].tag, mine[-1].order[0])
+        if not mine:  # kept, never removed nor counted: a job may still be saving there
             log.warning(
                 "%s holds %d checkpoint(s) of another job or run (the newest %r, sequence %d) and this job resumed "
                 "none: they are kept as abandoned, never counted nor removed by retention (a job still saving there "
                 "is refused at its next save; remove them by hand once settled)",
-                *(self.root, len(mine), mine[-1].tag, mine[-1].order[0]),
+                *(self.root, len(committed), committed[-1].tag, committed[-1].order[0]),
             )
             with self._lock:
                 self._parent = 0
+
+    def _refused(self, theirs: CheckpointRecord, tag: str, seq: int) -> RootInUse:
+        return RootInUse(
+            f"another job is saving into {self.root}: its checkpoint {theirs.tag!r} (sequence {theirs.order[0]}) "
+            f"committed after this job's last save {tag or '(none)'!r} (sequence {seq}); this save is refused, nothing "
+            "written (its retention would remove that job's checkpoints, and a tag-less resume take the other's "
+            "state): give each job its own path"
+        )
 
     def adopt(self, other: SequenceCounter) -> None:
         """What ``other`` (the counter of the Checkpointer this one's replaces, of the same root) knew."""
@@ -464,12 +469,6 @@ def scan_root(
 def newest_tag(root_url: str, *, storage_options: Any = None) -> str | None:
     """The validated content of ``{root}/newest``, or ``None``."""
     return read_newest(*open_root(root_url, storage_options))
-
-
-def highest_sequence(root: str, storage_options: Any = None, cache: ManifestCache | None = None) -> int:
-    """(rank 0) The highest sequence number committed under ``root`` (one listing; 0 when there is none)."""
-    records = scan_root(root, storage_options=storage_options, cache=cache)
-    return max((r.order[0] for r in records if r.committed), default=0)
 
 
 def validate_keep(keep: Any, what: str = "num_kept_partial_checkpoints") -> int | None:

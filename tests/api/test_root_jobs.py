@@ -53,6 +53,12 @@ def test_a_second_job_saving_into_the_root_is_refused_at_the_next_save_and_nothi
         assert _committed(root, options) == ["s1", "t1"]  # before: ["t1"], B's retention removed A's s1
         assert "'s1'" in said and "kept as abandoned" in said, said
         _refused_naming_the_other(a, m, o, root, "t1", "s1")
+    # a Checkpointer built per save (its first listing finds the job's own s1 below t1), smp's face alike
+    where_ = Location(root, storage_options=options)
+    with Checkpointer(where_) as b, pytest.raises(RootInUse, match="'t1' .sequence 2.* last save 's1' .sequence 1"):
+        b.save("s9", m, o)
+    with pytest.raises(RootInUse, match="'t1' .sequence 2.* last save 's1' .sequence 1"):
+        save_checkpoint(where_, "s9", model=m, optimizer=o)
     assert _committed(root, options) == ["s1", "t1"]
     assert [r.tag for r in scan_root(root, storage_options=options)] == ["s1", "t1"]  # no folder of s9 begun
     assert newest_tag(root, storage_options=options) == "t1"

@@ -277,7 +277,8 @@ class SequenceCounter:
     def next(self, job: str = "", guard: bool = True) -> int:
         """(rank 0) The sequence number of a new save; the first time, the root is listed first (outside the lock).
         ``guard`` (a save into the root): :class:`RootInUse` when another job's checkpoint this job has not seen
-        is the newest (README, "The Checkpointer": a second job saving into the root); ``job``: this job's identity."""
+        is the newest (README, "The Checkpointer": a second job saving into the root); ``job``: this job's identity
+        (``""``: unknown, nothing refused)."""
         self.job = job
         if not self._listed and not self.offline:
             self._first_listing(scan_root(self.root, storage_options=self.storage_options, cache=self.manifests), guard)
@@ -286,7 +287,7 @@ class SequenceCounter:
             # has its own counter: ``newest`` names the last commit of any, so a new save is numbered after it
             found = newest_record(self.root, self.storage_options, self.manifests)
             seq = found.order[0] if found is not None and found.committed else 0
-            if guard and seq and found and found.extra.get(JOB_KEY) not in (None, job):  # None: an older version's
+            if guard and job and seq and found and found.extra.get(JOB_KEY) not in (None, job):  # None: older
                 if seq > self._highest or seq == self._drawn:  # not seen by this job: committed since its last draw
                     raise self._refused(found, self._tag, self._drawn)
             self.read = max(self.read, seq)
@@ -304,7 +305,7 @@ class SequenceCounter:
         committed = [r for r in records if r.committed]  # oldest first
         self.saw(max((r.order[0] for r in committed), default=0), listed=True)
         mine = [r for r in committed if r.extra.get(JOB_KEY) == self.job]
-        if self._parent is not None or not committed or committed[-1] in mine[-1:]:
+        if self._parent is not None or not (committed and self.job) or committed[-1] in mine[-1:]:
             return
         if mine and guard and committed[-1].extra.get(JOB_KEY) is not None:
             raise self._refused(committed[-1], mine[-1].tag, mine[-1].order[0])

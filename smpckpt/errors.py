@@ -13,7 +13,7 @@ E = TypeVar("E", bound=BaseException)
 
 # the base; a stored checkpoint's state; what the caller passed does not fit
 __all__ = ["CheckpointError", "CheckpointNotFound", "CheckpointCorrupt", "CheckpointExists", "UnsafeCheckpoint"]
-__all__ += ["LayoutMismatch", "SpecError", "ReplicaMismatch", "NodeFull"]
+__all__ += ["LayoutMismatch", "SpecError", "ReplicaMismatch", "NodeFull", "RootInUse"]
 
 
 class CheckpointError(Exception):
@@ -48,6 +48,11 @@ class NodeFull(CheckpointError):
     """A node could not store a fast-tier part or metadata it fetched (its disk full, over quota or past a
     file-size limit): the copy is intact on its peers, so a resume raises this on every rank rather than load
     an older save in its place (path's drained copy of the same save loads instead)."""
+
+
+class RootInUse(CheckpointError):
+    """Another job saves into this checkpoint root (its checkpoint, committed after this job's last save, is the
+    newest): this job's save is refused before anything is written. Give each job its own ``path``."""
 
 
 class UnsafeCheckpoint(CheckpointError):

@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import hashlib
 import logging
+import os
 import threading
 import time
 import warnings
@@ -53,7 +54,9 @@ from smpckpt.api._resume import (
     stateless_at_save,
 )
 from smpckpt.api.options import ExportOptions, Retention, SaveOptions
+from smpckpt.catalog._abandoned import write_abandoned
 from smpckpt.catalog.root import (
+    ABANDONED_KEY,
     ABANDONED_NAME,
     NEWEST_NAME,
     SEQUENCE_KEY,
@@ -62,7 +65,6 @@ from smpckpt.catalog.root import (
     apply_retention,
     join_url,
     open_root,
-    write_abandoned,
     write_newest,
 )
 from smpckpt.errors import CheckpointError, LayoutMismatch, ReplicaMismatch
@@ -73,7 +75,7 @@ from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifa
 from smpckpt.storage.write._base import FsspecWriterBase
 from smpckpt.storage.write.writer import Workers
 
-__all__ = ["SaveRequest", "manifest_extra", "build_save_state", "write_checkpoint", "run_save"]
+__all__ = ["SaveRequest", "manifest_extra", "job_token", "build_save_state", "write_checkpoint", "run_save"]
 __all__ += ["publish_newest", "retain", "PlannerCache", "save_full", "resume_full", "full_url", "not_found_hint"]
 
 
@@ -133,8 +135,21 @@ def _stamp(
     # Checkpointer._save, all_ok (and its lambda), build_save_state (or save_full's build), this function
     payload, safe = encode_user_content(user_content, stacklevel=7)
     state[RESERVED.user_content] = payload  # an ObjectBuffer: written as torch.save left it, not copied
-    seq = counter.next()
-    return manifest_extra(api, tag, seq, user_content, not safe, **fields, **(counter.record() if record else {}))
+    # a save into the root (not an export) is refused while another job saves there (catalog.root)
+    seq = counter.next(job_token(), guard=record)
+    return manifest_extra(api, tag, seq, user_content, not safe, **fields, **(counter.record(tag) if record else {}))
+
+
+def job_token() -> str:
+    """(rank 0) The job's identity (``extra["job"]``): its process's host, boot, pid namespace, pid and start
+    time, hashed. Every Checkpointer of the process (one job's) records the same; another process (another job,
+    a restart, another container's process of the same pid) another. Derived at each save: nothing is kept."""
+    parts = [os.uname().nodename, str(os.getpid())]
+    with contextlib.suppress(OSError, IndexError, ValueError):  # Linux; elsewhere host and pid alone
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f, open("/proc/self/stat", "rb") as g:
+            parts += [f.read(64).strip().decode(), g.read(4096).rsplit(b")", 1)[1].split()[19].decode()]
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).hexdigest()
 
 
 def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str, Any]) -> None:
@@ -208,7 +223,7 @@ def publish_newest(req: SaveRequest, ctx: DistContext, extra: Mapping[str, Any] 
     that rolled back (``extra``, rank 0's) first leaves the root's copy of what it abandoned (catalog.root)."""
 
     def point() -> None:
-        if extra:
+        if extra and extra.get(ABANDONED_KEY):
             try:
                 write_abandoned(req.root, req.storage_options, req.tag, extra)
             except (OSError, CheckpointError) as exc:  # the manifest holds the record too

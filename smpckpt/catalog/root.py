@@ -12,7 +12,7 @@ such, never fatal. The listing (:func:`scan_root`, rank 0) is a LIST plus a mani
 Order: sequence number (``extra["sequence"]``), save time, save id (:func:`record_order`); ``newest``
 is a hint for stock tools. A :class:`SequenceCounter` lists the root once, then counts on without I/O.
 A save after a resume of an older tag records the numbers above it as abandoned (``extra["abandoned"]``
-and a copy beside ``newest``); :func:`split_lineage` with :func:`read_abandoned` gives the history
+and a copy beside ``newest``); :func:`split_lineage` with ``_abandoned.read_abandoned`` gives the history
 retention, ``prune``, ``ls`` and fallbacks use. Retention counts only committed checkpoints of that history,
 never removes an abandoned one (an inference), ``unsafe``/``corrupt`` folders nor the tag ``newest`` names,
 finishes ``removing`` ones, never fails the save (README, "The Checkpointer")."""
@@ -23,14 +23,13 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
-import json
 import logging
 import os
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
 
-from smpckpt.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, RootInUse, UnsafeCheckpoint
 from smpckpt.storage import (
     MANIFEST_NAME,
     Manifest,
@@ -44,10 +43,11 @@ from smpckpt.storage.backends._fs import StampedCache, is_local, ls_fresh, trans
 
 __all__ = ["KeepLatestN", "select_for_removal", "apply_retention", "RetentionResult"]
 __all__ += ["validate_keep", "CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag"]
-__all__ += ["highest_sequence", "NEWEST_NAME", "PARTIAL_SUFFIX", "validate_tag", "is_valid_tag", "partial_dirname"]
+__all__ += ["NEWEST_NAME", "PARTIAL_SUFFIX", "validate_tag", "is_valid_tag", "partial_dirname"]
 __all__ += ["tag_of_partial_dirname", "join_url", "partial_url", "read_newest", "write_newest", "list_partial_tags"]
 __all__ += ["open_root", "SEQUENCE_KEY", "sequence_of", "SequenceCounter", "newest_record", "split_lineage"]
-__all__ += ["ManifestCache", "ABANDONED_KEY", "ABANDONED_NAME", "abandoned_of", "write_abandoned", "read_abandoned"]
+__all__ += ["ManifestCache", "ABANDONED_KEY", "ABANDONED_NAME", "abandoned_of"]
+__all__ += ["JOB_KEY"]
 
 
 # the name it had before the module's rename: logging configured for it keeps applying
@@ -233,41 +233,6 @@ def split_lineage(
     return history, dropped
 
 
-def write_abandoned(root: str, storage_options: Any, tag: str, extra: Mapping[str, Any]) -> None:
-    """(rank 0, before ``newest`` names ``tag``) The root's copy of the record, when it lacks its newest range."""
-    seq, ranges = sequence_of(extra), abandoned_of(extra)
-    if ranges and ranges[0] not in abandoned_of(_root_copy(root, storage_options)):
-        fs, root_path = open_root(root, storage_options)
-        body = json.dumps({"tag": tag, SEQUENCE_KEY: seq, ABANDONED_KEY: [list(r) for r in ranges]}).encode()
-        write_bytes_atomic(fs, join_url(root_path, ABANDONED_NAME), body)
-
-
-def decided_by_copy(records: Sequence[CheckpointRecord], copy: Ranges) -> bool:
-    """Whether the root's copy's ranges (:func:`read_abandoned`) drop a checkpoint the saves' own records
-    keep: only then do the fallback's refusal and ``ls`` name the file (rev60d F3)."""
-    if not copy:
-        return False
-    alone = {r.tag for r in split_lineage(records)[1]}
-    return any(r.tag not in alone for r in split_lineage(records, copy)[1])
-
-
-def read_abandoned(root: str, storage_options: Any, records: Sequence[CheckpointRecord]) -> tuple[tuple[int, int], ...]:
-    """(rank 0) The root's copy's ranges, when its save is numbered above every committed one of ``records``
-    (damaged, its manifest lost); retention, ``prune``, ``ls`` and the fallback call it alike."""
-    top, body = max((r.order[0] for r in records if r.committed), default=0), _root_copy(root, storage_options)
-    return tuple(p for p in abandoned_of(body) if p[1] < sequence_of(body)) if sequence_of(body) > top else ()
-
-
-def _root_copy(root: str, storage_options: Any) -> dict[str, Any]:
-    try:  # the root's smpckpt.abandoned; empty when missing or unreadable
-        fs, root_path = open_root(root, storage_options)
-        with translate_errors(path := join_url(root_path, ABANDONED_NAME)):
-            body = json.loads(fs.cat_file(path, start=0, end=_NEWEST_MAX_BYTES))
-    except (OSError, CheckpointError, ValueError):
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
 def sequence_of(extra: Mapping[str, Any] | None) -> int:
     """The sequence number a manifest's ``extra`` records; 0 when it has none (older checkpoints) or it
     is not a plausible one (a bool, negative, or beyond 2**62: damage, ignored)."""
@@ -275,6 +240,10 @@ def sequence_of(extra: Mapping[str, Any] | None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MAX:
         return 0
     return value
+
+
+#: the manifest ``extra`` entry naming the job (its rank 0's process, ``api._save.job_token``) that saved it
+JOB_KEY = "job"
 
 
 class SequenceCounter:
@@ -287,6 +256,7 @@ class SequenceCounter:
         self._listed = False  #: every committed checkpoint of the root has been seen (a listing)
         self.read = 0  #: the highest number ``newest`` named when a draw read it (a writer beside this job's)
         self._parent: int | None = None  #: the number of the checkpoint resumed, until the next draw
+        self._drawn, self._tag, self.job = 0, "", ""  #: this job's last draw, its tag (:meth:`drawn`), identity
         self.abandoned: tuple[tuple[int, int], ...] = ()  #: what this job's history abandoned (roll-backs)
         self.manifests = ManifestCache()  #: the root's committed records this job read (its listings reuse them)
         self.offline = False  #: (a tiered save, the root unreachable) numbered from what it saw, listed later
@@ -304,39 +274,71 @@ class SequenceCounter:
                 self._highest = max(self._highest, seq)
             self._listed = self._listed or listed
 
-    def next(self) -> int:
-        """(rank 0) The sequence number of a new save. The first time the root was not listed, the highest
-        committed number a listing of the root finds is read first, outside the lock."""
+    def next(self, job: str = "", guard: bool = True) -> int:
+        """(rank 0) The sequence number of a new save; the first time, the root is listed first (outside the lock).
+        ``guard`` (a save into the root): :class:`RootInUse` when another job's checkpoint this job has not seen
+        is the newest (README, "The Checkpointer": a second job saving into the root); ``job``: this job's identity
+        (``""``: unknown, nothing refused)."""
+        self.job = job
         if not self._listed and not self.offline:
-            self.saw(highest_sequence(self.root, self.storage_options, self.manifests), listed=True)
+            self._first_listing(scan_root(self.root, storage_options=self.storage_options, cache=self.manifests), guard)
         elif not self.offline:  # (offline: not read, its timeouts paid again by each save: rev68b F3)
             # another writer of this root in this process (a second model's Checkpointer, one beside smp's face)
             # has its own counter: ``newest`` names the last commit of any, so a new save is numbered after it
-            self.read = max(self.read, self._newest_sequence())
+            found = newest_record(self.root, self.storage_options, self.manifests)
+            seq = found.order[0] if found is not None and found.committed else 0
+            if guard and job and seq and found and found.extra.get(JOB_KEY) not in (None, job):  # None: older
+                if seq > self._highest or seq == self._drawn:  # not seen by this job: committed since its last draw
+                    raise self._refused(found, self._tag, self._drawn)
+            self.read = max(self.read, seq)
             self.saw(self.read)
         with self._lock:
             if self._parent is not None and self._highest > self._parent:  # a roll-back: numbered past others
                 self.abandoned = ((self._parent + 1, self._highest), *self.abandoned)[:_RANGES]
             self._parent = None
-            self._highest += 1
+            self._highest = self._drawn = self._highest + 1
             return self._highest
+
+    def _first_listing(self, records: Sequence[CheckpointRecord], guard: bool) -> None:
+        """A job that resumed nothing (a Checkpointer built per save; a fresh start): another job's checkpoint above
+        all of its own is refused as by :meth:`next`; holding none of its own, it is a roll-back to 0 (warned)."""
+        committed = [r for r in records if r.committed]  # oldest first
+        self.saw(max((r.order[0] for r in committed), default=0), listed=True)
+        mine = [r for r in committed if r.extra.get(JOB_KEY) == self.job]
+        if self._parent is not None or not (committed and self.job) or committed[-1] in mine[-1:]:
+            return
+        if mine and guard and committed[-1].extra.get(JOB_KEY) is not None:
+            raise self._refused(committed[-1], mine[-1].tag, mine[-1].order[0])
+        if not mine:  # kept, never removed nor counted: a job may still be saving there
+            log.warning(
+                "%s holds %d checkpoint(s) of another job or run (the newest %r, sequence %d) and this job resumed "
+                "none: they are kept as abandoned, never counted nor removed by retention (a job still saving there "
+                "is refused at its next save; remove them by hand once settled)",
+                *(self.root, len(committed), committed[-1].tag, committed[-1].order[0]),
+            )
+            with self._lock:
+                self._parent = 0
+
+    def _refused(self, theirs: CheckpointRecord, tag: str, seq: int) -> RootInUse:
+        return RootInUse(
+            f"another job is saving into {self.root}: its checkpoint {theirs.tag!r} (sequence {theirs.order[0]}) "
+            f"committed after this job's last save {tag or '(none)'!r} (sequence {seq}); this save is refused, nothing "
+            "written (its retention would remove that job's checkpoints, and a tag-less resume take the other's "
+            "state): give each job its own path"
+        )
 
     def adopt(self, other: SequenceCounter) -> None:
         """What ``other`` (the counter of the Checkpointer this one's replaces, of the same root) knew."""
         with other._lock:
-            state = other._highest, other._listed, other.read, other._parent, other.abandoned
+            state = other._highest, other._listed, other.read, other._parent, other.abandoned, other._drawn, other._tag
         with self._lock:
-            self._highest, self._listed, self.read, self._parent, self.abandoned = state
+            self._highest, self._listed, self.read, self._parent, self.abandoned, self._drawn, self._tag = state
         self.manifests = other.manifests
 
-    def record(self) -> dict[str, Any]:
-        """The manifest ``extra`` entries of the save just drawn (the history's abandoned ranges)."""
-        return {ABANDONED_KEY: [list(r) for r in self.abandoned]} if self.abandoned else {}
-
-    def _newest_sequence(self) -> int:
-        """The sequence number of the committed checkpoint ``newest`` names (0: none, or unreadable)."""
-        record = newest_record(self.root, self.storage_options, self.manifests)
-        return record.order[0] if record is not None and record.committed else 0
+    def record(self, tag: str) -> dict[str, Any]:
+        """The manifest ``extra`` entries of the save of ``tag`` just drawn: the job, the history's abandoned ranges."""
+        self._tag = tag
+        return {JOB_KEY: self.job, **({ABANDONED_KEY: [list(r) for r in self.abandoned]} if self.abandoned else {})}
 
 
 #: States a folder under a root can be in. ``unsafe``: its ``.metadata`` or manifest must not be
@@ -470,12 +472,6 @@ def newest_tag(root_url: str, *, storage_options: Any = None) -> str | None:
     return read_newest(*open_root(root_url, storage_options))
 
 
-def highest_sequence(root: str, storage_options: Any = None, cache: ManifestCache | None = None) -> int:
-    """(rank 0) The highest sequence number committed under ``root`` (one listing; 0 when there is none)."""
-    records = scan_root(root, storage_options=storage_options, cache=cache)
-    return max((r.order[0] for r in records if r.committed), default=0)
-
-
 def validate_keep(keep: Any, what: str = "num_kept_partial_checkpoints") -> int | None:
     """``None`` (keep everything) or a positive int; anything else raises :class:`ValueError`."""
     if keep is None:
@@ -536,7 +532,7 @@ def apply_retention(
     said: set[str] | None = None,
 ) -> RetentionResult:
     """(rank 0 only) Delete the committed partial checkpoints beyond the ``keep`` newest of the history
-    (:func:`split_lineage`, :func:`read_abandoned`: what a roll-back abandoned stays, uncounted).
+    (:func:`split_lineage`, ``_abandoned.read_abandoned``: what a roll-back abandoned stays, uncounted).
 
     Removals go through :func:`smpckpt.storage.remove_checkpoint` (manifest first); never the tag ``newest`` names.
     ``keep=None`` removes no committed checkpoint. ``uncommitted_older_than`` (seconds) also removes the debris of
@@ -547,6 +543,9 @@ def apply_retention(
     :func:`read_newest` logged already (``prune``'s own read): a damaged ``newest`` is named once per pass."""
     if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
         raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")
+    from smpckpt.catalog._abandoned import read_abandoned  # they import this module: imported when used
+    from smpckpt.catalog._debris import run_each, sweep_stale
+
     for trust in (cache, None):
         records = scan_root(root_url, storage_options=storage_options, cache=trust)
         abandoned = read_abandoned(root_url, storage_options, records) if keep is not None else ()
@@ -581,8 +580,6 @@ def apply_retention(
             failed.append(tag)
             log.warning("retention: could not remove %s (will retry on the next save): %s", by_tag[tag].url, exc)
             return False
-
-    from smpckpt.catalog._debris import run_each, sweep_stale  # they import this module: imported when used
 
     (fs, path), said = open_root(root_url, storage_options), set() if said is None else said
     # read before each removal (another job may point it back), first only to run several side by side

@@ -26,14 +26,13 @@ from tqdm import tqdm
 
 from smpckpt.api._tiers import durable_key
 from smpckpt.catalog import root as catalog
+from smpckpt.catalog._abandoned import decided_by_copy, read_abandoned
 from smpckpt.catalog.root import (
     NEWEST_NAME,
     PARTIAL_SUFFIX,
     apply_retention,
-    decided_by_copy,
     newest_tag,
     open_root,
-    read_abandoned,
     scan_root,
     split_lineage,
     validate_keep,

@@ -565,7 +565,7 @@ def test_a_tagless_resume_seeds_the_numbers_without_another_listing(
     m, o = _model(0)  # a new job
     resume_from_checkpoint(f"file://{root}", model=m, optimizer=o)  # the root spelled another way
     assert last_resume_info().tag == "b"
-    monkeypatch.setattr(listing, "highest_sequence", lambda *a, **k: pytest.fail("listed the root again"))
+    monkeypatch.setattr(listing, "scan_root", lambda *a, **k: pytest.fail("listed the root again"))
     save_checkpoint(f"{root}/", "c", model=m, optimizer=o)
     assert read_manifest(os.path.join(root, "c_partial")).extra["sequence"] == 3
     counter = SequenceCounter(root)

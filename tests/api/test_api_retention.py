@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from smpckpt.catalog._abandoned import decided_by_copy
 from smpckpt.catalog.root import (
     CheckpointRecord,
     KeepLatestN,
-    decided_by_copy,
     record_order,
     select_for_removal,
     split_lineage,

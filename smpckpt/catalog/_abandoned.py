@@ -1,0 +1,65 @@
+"""The root's copy of what roll-backs abandoned (``{path}/smpckpt.abandoned``, beside ``newest``): written by
+the first save carrying a new range, read by retention, ``prune``, ``ls`` and the resume's fallback when its save
+is numbered above every committed checkpoint (its manifest, which held the record, lost). The record itself, the
+history and sequence numbers are :mod:`smpckpt.catalog.root`'s (README, "The Checkpointer")."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from smpckpt.catalog.root import (
+    ABANDONED_KEY,
+    ABANDONED_NAME,
+    SEQUENCE_KEY,
+    CheckpointRecord,
+    Ranges,
+    abandoned_of,
+    join_url,
+    open_root,
+    sequence_of,
+    split_lineage,
+)
+from smpckpt.errors import CheckpointError
+from smpckpt.storage import write_bytes_atomic
+from smpckpt.storage.backends._fs import translate_errors
+
+__all__ = ["write_abandoned", "read_abandoned", "decided_by_copy"]
+
+_MAX_BYTES = 4096  #: the copy is a small JSON object; more is not ours and is not read whole
+
+
+def write_abandoned(root: str, storage_options: Any, tag: str, extra: Mapping[str, Any]) -> None:
+    """(rank 0, before ``newest`` names ``tag``) The root's copy of the record, when it lacks its newest range."""
+    seq, ranges = sequence_of(extra), abandoned_of(extra)
+    if ranges and ranges[0] not in abandoned_of(_root_copy(root, storage_options)):
+        fs, root_path = open_root(root, storage_options)
+        body = json.dumps({"tag": tag, SEQUENCE_KEY: seq, ABANDONED_KEY: [list(r) for r in ranges]}).encode()
+        write_bytes_atomic(fs, join_url(root_path, ABANDONED_NAME), body)
+
+
+def decided_by_copy(records: Sequence[CheckpointRecord], copy: Ranges) -> bool:
+    """Whether the root's copy's ranges (:func:`read_abandoned`) drop a checkpoint the saves' own records
+    keep: only then do the fallback's refusal and ``ls`` name the file (rev60d F3)."""
+    if not copy:
+        return False
+    alone = {r.tag for r in split_lineage(records)[1]}
+    return any(r.tag not in alone for r in split_lineage(records, copy)[1])
+
+
+def read_abandoned(root: str, storage_options: Any, records: Sequence[CheckpointRecord]) -> tuple[tuple[int, int], ...]:
+    """(rank 0) The root's copy's ranges, when its save is numbered above every committed one of ``records``
+    (damaged, its manifest lost); retention, ``prune``, ``ls`` and the fallback call it alike."""
+    top, body = max((r.order[0] for r in records if r.committed), default=0), _root_copy(root, storage_options)
+    return tuple(p for p in abandoned_of(body) if p[1] < sequence_of(body)) if sequence_of(body) > top else ()
+
+
+def _root_copy(root: str, storage_options: Any) -> dict[str, Any]:
+    try:  # the root's smpckpt.abandoned; empty when missing or unreadable
+        fs, root_path = open_root(root, storage_options)
+        with translate_errors(path := join_url(root_path, ABANDONED_NAME)):
+            body = json.loads(fs.cat_file(path, start=0, end=_MAX_BYTES))
+    except (OSError, CheckpointError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}

@@ -1,0 +1,73 @@
+"""The jobs of ``test_root_jobs.py``: the other job (a process of its own) and a 2-rank world refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from smpckpt import Checkpointer, Retention
+from smpckpt.errors import RootInUse
+
+#: the other job: builds the model below, resumes (argv[3] == "resume") or not, saves argv[2] (keeping 1)
+_JOB = r"""
+import json, sys, torch
+from torch import nn
+import smpckpt
+root, tag, resume, options = sys.argv[1], sys.argv[2], sys.argv[3] == "resume", json.loads(sys.argv[4])
+torch.manual_seed(1)
+m = nn.Linear(4, 2)
+o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+m(torch.randn(3, 4)).sum().backward()
+o.step()
+where = smpckpt.Location(root, storage_options=options)
+with smpckpt.Checkpointer(where, retention=smpckpt.Retention(num_kept_partial_checkpoints=1)) as ckpt:
+    if resume:
+        ckpt.resume(model=m, optimizer=o)
+        print("resumed", ckpt.last_resume_info.tag, flush=True)
+    ckpt.save(tag, m, o)
+"""
+
+
+def model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.randn(3, 4)).sum().backward()
+    o.step()
+    return m, o
+
+
+def other_job(root: str, tag: str, resume: bool = False, options: dict[str, Any] | None = None) -> str:
+    """Run the other job to its end; its stdout and stderr (the warnings)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _JOB, root, tag, "resume" if resume else "fresh", json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the other job failed: {done.stderr[-3000:]}")
+    return done.stdout + done.stderr
+
+
+def refused_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Two ranks save s1; the other job saves t1 into the root; the next save: refused on every rank alike."""
+    m, o = model()
+    with Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=1)) as ckpt:
+        ckpt.save("s1", m, o)
+        if rank == 0:
+            other_job(root, "t1")
+        dist.barrier()
+        try:
+            ckpt.save("s2", m, o)
+        except RootInUse as exc:
+            return {"error": str(exc), "dirs": sorted(os.listdir(root))}
+    return {"error": None}

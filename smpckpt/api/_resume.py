@@ -31,7 +31,6 @@ from smpckpt.api._dist import (
 from smpckpt.api.options import ResumeOptions, aside
 from smpckpt.catalog import root as catalog
 from smpckpt.catalog._abandoned import decided_by_copy, read_abandoned
-from smpckpt.catalog.root import SequenceCounter, join_url, partial_url, record_order
 from smpckpt.errors import CheckpointError, CheckpointNotFound, loaded_in_place
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, dtensor_layout, likely_causes, module_note
@@ -111,7 +110,7 @@ class Target:
     def of(cls, tag: str, url: str, manifest: Manifest | None, fell_back: bool) -> Target:
         extra = manifest.extra if manifest is not None else {}
         record, api, rng = LayoutRecord.from_manifest(manifest), extra.get("api"), bool(extra.get("rng"))
-        order = record_order(manifest)
+        order = catalog.record_order(manifest)
         pickled = extra.get(PICKLED_KEY) is True  # a save abandons only numbers below its own (catalog.root)
         abandoned = tuple(p for p in catalog.abandoned_of(extra) if p[1] < order[0])
         tier = extra.get("tier")  # a fast-tier save drained: its history goes on
@@ -120,7 +119,7 @@ class Target:
             tag, url, record, api, rng, fell_back, order, order[0], False, pickled, abandoned, "", runs, manifest
         )
 
-    def seen_by(self, counter: SequenceCounter) -> None:
+    def seen_by(self, counter: catalog.SequenceCounter) -> None:
         """The job's next saves are numbered after what choosing this target saw (a roll-back is marked only
         once its state is applied, ``SequenceCounter.resumed``: a failed resume is none)."""
         counter.saw(self.seen_seq, listed=self.listed)
@@ -140,10 +139,10 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
     newest committed one of the job's history (never one a roll-back abandoned), warned (``warn``; else
     in ``said``), its ``abandoned`` all the ranges that decided it (the root's copy's too)."""
     if tag is not None:
-        url = partial_url(root, tag)
+        url = catalog.partial_url(root, tag)
         found = probe_checkpoint(url, storage_options)
         if found.state == "missing":  # a folder stock dcp.save wrote under the tag's own name
-            plain = join_url(root, tag)
+            plain = catalog.join_url(root, tag)
             if (legacy := probe_checkpoint(plain, storage_options)).state == "legacy":
                 url, found = plain, legacy
             if detail := found.detail or legacy.detail:  # a file where the folder would be (the root's own files)

@@ -30,6 +30,7 @@ from smpckpt.api._dist import (
     quiet_no_dist,
     translate_dcp,
 )
+from smpckpt.catalog import highest_sequence
 from smpckpt.catalog import root as catalog
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord
@@ -240,7 +241,7 @@ def _warn_in_numbered_root(out_url: str, storage_options: Mapping[str, Any] | No
     if not root or catalog.tag_of_partial_dirname(name) is None:
         return
     with contextlib.suppress(OSError, ValueError):  # an unreadable root: nothing to say (the write reports it)
-        if catalog.highest_sequence(root, storage_options) > 0:
+        if highest_sequence(root, storage_options) > 0:
             warnings.warn(
                 f"{out_url} is written into {root}, whose checkpoints are numbered by the saves that wrote them; "
                 "a converted one has no number: that root's retention removes it first, a tag-less resume passes "

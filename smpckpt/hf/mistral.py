@@ -20,4 +20,4 @@ translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(_
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
     """Glob -> ShardSpec rules of our Mistral under TP degree ``tp``; as :func:`smpckpt.hf.llama.tp_specs`
     (``MistralConfig`` or a dict with the same fields)."""
-    return family_specs("mistral", tp, config, prefix, biases=False)
+    return family_specs("mistral", tp, config, prefix)

@@ -401,6 +401,24 @@ def _prefixed(translation: Translation, key: str, side: str) -> tuple[str, str] 
     return None
 
 
+def _stranded(
+    translation: Translation, kept: Sequence[str], shapes: Mapping[str, Sequence[int]], side: str
+) -> list[str]:
+    """The ``kept`` (untranslated) keys under a module that the rules' templates name on ``side`` only
+    (our fused ``mlp.gate_up_proj``; HF's ``mlp.gate_proj`` on import): the other side has no such module,
+    so the key would land where nothing reads it (``from_pretrained`` ignores a ``gate_up_proj.bias``).
+    Optimizer state beside a parameter in ``shapes`` (a scalar ``<param>.step``) keeps its key by design."""
+    ours = {r.ours.rpartition(".")[0] for r in translation.rules}
+    theirs = {t.rpartition(".")[0] for r in translation.rules for t in r.artifact}
+    only = [
+        _template_regex(m).pattern + r"\." for m in sorted((ours - theirs) if side == "ours" else (theirs - ours)) if m
+    ]
+    modules = [re.compile(p) for p in only]
+    return [
+        k for k in kept if any(m.match(k) for m in modules) and not any(param in shapes for param, _ in _prefixes(k))
+    ]
+
+
 def check_translates(
     translation: Translation,
     shapes: Mapping[str, Sequence[int]],
@@ -451,6 +469,16 @@ def check_translates(
         raise SpecError(
             f"translation {translation.name!r} leaves {_show(found)} as they are, but they are {names} "
             f"{'fused tensors' if side == 'ours' else 'tensors to fuse'}: use the translation of the model's family"
+        )
+    stranded = _stranded(translation, kept, shapes, side)
+    if stranded:
+        target = "the artifact's (Hugging Face) model" if side == "ours" else "our model"
+        raise SpecError(
+            f"translation {translation.name!r} leaves {_show(stranded)} as they are, but its rules rewrite the "
+            f"other tensors of their module, which {target} does not have: nothing would read them there (a "
+            "fused tensor the family's model cannot hold, such as a gate_up_proj.bias for a model without "
+            "mlp_bias). Use the translation of the model's family, or leave the tensors out; if the target "
+            "does hold them under these names, add a rename rule for each to the translation"
         )
     prefixed_keys = [k for k in kept if _prefixed(translation, k, side) is not None]
     if prefixed_keys:

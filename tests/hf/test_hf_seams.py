@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 from sim import load_shards_and_check
 
 import smpckpt
+from smpckpt.hf.llama import make_translation
 from smpckpt.tools.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -144,10 +146,12 @@ def states() -> dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
 
 
 def _same_rules(a: str, b: str) -> bool:
+    """Families of one layout: one's rules hold the other's (Llama's add the gate/up bias Mistral's lack)."""
+
     def templates(name: str) -> set[tuple[str, tuple[str, ...]]]:
         return {(r.ours, r.artifact) for r in MODULES[name].TRANSLATION.rules}
 
-    return templates(a) == templates(b)
+    return templates(a) <= templates(b) or templates(b) <= templates(a)
 
 
 @pytest.mark.parametrize("model", NAMES)
@@ -311,3 +315,50 @@ def test_checking_a_translation_walks_the_shapes_a_few_times_not_once_per_key(si
     shapes = _CountedShapes(ours if side == "ours" else theirs)
     check_translates(smpckpt.hf.llama.TRANSLATION, shapes, side, TRANSLATIONS.values())
     assert _CountedShapes.walks <= 2, f"{_CountedShapes.walks} walks over the {len(shapes)} shapes"
+
+
+def _one_sided_module(name: str, side: str) -> str:
+    """Layer 0's module that ``name``'s rules name on ``side`` only (``"ours"``: a fused one such as
+    Llama's ``mlp.gate_up_proj``; ``"artifact"``: one it fuses away, such as ``mlp.gate_proj``)."""
+    rules = MODULES[name].TRANSLATION.rules
+    ours = {r.ours.rpartition(".")[0] for r in rules}
+    theirs = {t.rpartition(".")[0] for r in rules for t in r.artifact}
+    return sorted((ours - theirs) if side == "ours" else (theirs - ours))[0].format(i=0)
+
+
+@pytest.mark.parametrize("model", NAMES)
+def test_a_tensor_left_under_a_module_the_target_lacks_is_refused(states: Any, model: str) -> None:
+    """F6 in general: a tensor no rule takes, under a module the translation rewrites away (our fused
+    ``gate_up_proj.bias`` before Llama's rule fused it), would be written where the other side's model never
+    reads it. Every family refuses it by name, on export and on import; its optimizer state beside it
+    too (scalar ``step`` counters of translated parameters keep their keys, as before)."""
+    hf, ours = states[model]
+    translation = MODULES[model].TRANSLATION
+    for side, state in (("ours", ours), ("artifact", hf)):
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
+        stray = _one_sided_module(model, side) + ".stray_bias"
+        with pytest.raises(smpckpt.SpecError, match=rf"translation '{model}' leaves '{re.escape(stray)}' as they are"):
+            smpckpt.hf.check_translation(translation, {**shapes, stray: (4,)}, side)
+    shapes = {k: tuple(v.shape) for k, v in ours.items()}
+    steps = {f"{k}.step": () for k in shapes}  # a translated parameter's scalar state keeps its key: fine
+    smpckpt.hf.check_translation(translation, {**shapes, **steps}, "ours")
+
+
+def test_a_gate_up_bias_is_refused_by_families_that_cannot_hold_it(states: Any) -> None:
+    """Mistral and Qwen2 have no MLP biases (Llama's ``mlp_bias``): a fused ``gate_up_proj.bias`` exported
+    with their translations would be written as gate/up biases their models ignore. And a Llama
+    translation without the bias rule (the F6 gap) is refused too, not written under our fused key."""
+    _, ours = states["llama"]
+    shapes = {k: tuple(v.shape) for k, v in ours.items()}
+    shapes["model.layers.1.mlp.gate_up_proj.bias"] = (2, 64)
+    for name in ("mistral", "qwen2"):
+        with pytest.raises(smpckpt.SpecError, match=r"leaves 'model\.layers\.1\.mlp\.gate_up_proj\.bias'"):
+            smpckpt.hf.check_translation(MODULES[name].TRANSLATION, shapes, "ours")
+    smpckpt.hf.check_translation(MODULES["llama"].TRANSLATION, shapes, "ours")
+    weights_only = make_translation("llama", "LlamaForCausalLM")
+    with pytest.raises(smpckpt.SpecError, match=r"leaves 'model\.layers\.1\.mlp\.gate_up_proj\.bias' as they are"):
+        smpckpt.hf.check_translation(weights_only, shapes, "ours")
+    hf = {k: tuple(v.shape) for k, v in states["llama"][0].items()}
+    hf.update({f"model.layers.1.mlp.{p}_proj.bias": (64,) for p in ("gate", "up")})
+    with pytest.raises(smpckpt.SpecError, match=r"leaves 'model\.layers\.1\.mlp\.gate_proj\.bias'"):
+        smpckpt.hf.check_translation(weights_only, hf, "artifact")

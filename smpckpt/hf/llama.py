@@ -8,6 +8,7 @@ reshards (TP rank ``r`` holds gate rows ``r*I/tp .. (r+1)*I/tp``, then the same 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from smpckpt.errors import SpecError
@@ -21,14 +22,19 @@ _L = "model.layers.{i}."
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
-def make_translation(name: str, architecture: str, *, mlp_bias: bool = False) -> Translation:
+def make_translation(
+    name: str, architecture: str, *, mlp_bias: bool = False, no_bias: Sequence[str] = ()
+) -> Translation:
     """The Llama-family translation (fused gate/up; everything else keeps its HF key). ``mlp_bias``: the
     family's HF models can hold gate/up biases (Llama's ``mlp_bias``), fused as the weights are; without
     it a fused ``gate_up_proj.bias`` is refused on export (it would land under a key the HF model
-    ignores), by :func:`smpckpt.model.translation.check_translates`."""
+    ignores), by :func:`smpckpt.model.translation.check_translates`, as are the biases of the
+    projections ``no_bias`` names (``"o"``, ``"gate"``: ones the family's model never has)."""
     parts = ("weight", "bias") if mlp_bias else ("weight",)
+    place = {p: "self_attn" for p in "qkvo"} | {p: "mlp" for p in ("gate", "up", "down")}
     return Translation(
         name,
+        absent=tuple(_L + f"{place[p]}.{p}_proj.bias" for p in no_bias),
         rules=tuple(
             stack(_L + f"mlp.gate_up_proj.{w}", (_L + f"mlp.gate_proj.{w}", _L + f"mlp.up_proj.{w}")) for w in parts
         ),

@@ -11,7 +11,8 @@ from smpckpt.model.specs import ShardSpec
 
 __all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
 
-TRANSLATION = make_translation("mistral", "MistralForCausalLM")
+# MistralForCausalLM has no biases, whatever its config
+TRANSLATION = make_translation("mistral", "MistralForCausalLM", no_bias=("q", "k", "v", "o", "gate", "up", "down"))
 
 
 translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)

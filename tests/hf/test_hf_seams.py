@@ -157,12 +157,18 @@ def _same_rules(a: str, b: str) -> bool:
 @pytest.mark.parametrize("model", NAMES)
 def test_each_familys_translation_fits_its_tensors_and_no_other_familys(states: Any, model: str) -> None:
     """Every family's keys (HF's, and ours) pass its own translation and are refused by every other whose
-    rules differ (Llama, Qwen2 and Mistral share theirs: the same layout)."""
+    rules differ (Llama, Qwen2 and Mistral share theirs: the same layout), and by Mistral's for Qwen2's
+    q/k/v biases, which a MistralForCausalLM does not have."""
     hf, ours = states[model]
     shapes_hf = {k: tuple(v.shape) for k, v in hf.items()}
     shapes_ours = {k: tuple(v.shape) for k, v in ours.items()}
     for name in NAMES:
         translation = MODULES[name].TRANSLATION
+        if (name, model) == ("mistral", "qwen2"):
+            for side, shapes in (("ours", shapes_ours), ("artifact", shapes_hf)):
+                with pytest.raises(smpckpt.SpecError, match=r"translation 'mistral': 'model\.layers\.0\.self_attn\.q_"):
+                    smpckpt.hf.check_translation(translation, shapes, side)
+            continue
         if name == model or _same_rules(name, model):
             smpckpt.hf.check_translation(translation, shapes_ours, "ours")
             smpckpt.hf.check_translation(translation, shapes_hf, "artifact")
@@ -362,3 +368,26 @@ def test_a_gate_up_bias_is_refused_by_families_that_cannot_hold_it(states: Any) 
     hf.update({f"model.layers.1.mlp.{p}_proj.bias": (64,) for p in ("gate", "up")})
     with pytest.raises(smpckpt.SpecError, match=r"leaves 'model\.layers\.1\.mlp\.gate_proj\.bias'"):
         smpckpt.hf.check_translation(weights_only, hf, "artifact")
+
+
+def test_biases_the_familys_model_never_has_are_refused(states: Any) -> None:
+    """A Llama with ``attention_bias`` / ``mlp_bias`` exported as Mistral (no biases) or Qwen2 (q/k/v
+    biases only): ``from_pretrained`` would ignore the biases those models lack, so they are refused by
+    name, on export and on import, and Llama's own translation takes them."""
+    hf = tiny_model("llama", seed=1, dtype=torch.float32, attention_bias=True, mlp_bias=True).state_dict()
+    hf = {k: v for k, v in hf.items() if not k.endswith(("gate_proj.bias", "up_proj.bias"))}  # no fused bias
+    ours = MODULES["llama"].translate_hf_state_dict_to_smpckpt(hf)
+    shapes = {side: {k: tuple(v.shape) for k, v in sd.items()} for side, sd in (("ours", ours), ("artifact", hf))}
+    for side in ("ours", "artifact"):
+        smpckpt.hf.check_translation(MODULES["llama"].TRANSLATION, shapes[side], side)
+        with pytest.raises(
+            smpckpt.SpecError, match=r"translation 'mistral': 'model\.layers\.0\.self_attn\.q_proj\.bias'"
+        ):
+            smpckpt.hf.check_translation(MODULES["mistral"].TRANSLATION, shapes[side], side)
+        with pytest.raises(
+            smpckpt.SpecError, match=r"translation 'qwen2': 'model\.layers\.0\.self_attn\.o_proj\.bias'"
+        ):
+            smpckpt.hf.check_translation(MODULES["qwen2"].TRANSLATION, shapes[side], side)
+    no_o = {k: v for k, v in shapes["ours"].items() if "o_proj.bias" not in k}
+    with pytest.raises(smpckpt.SpecError, match=r"'model\.layers\.0\.mlp\.down_proj\.bias'.* has no such tensors"):
+        smpckpt.hf.check_translation(MODULES["qwen2"].TRANSLATION, no_o, "ours")

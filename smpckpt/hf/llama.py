@@ -8,7 +8,8 @@ reshards (TP rank ``r`` holds gate rows ``r*I/tp .. (r+1)*I/tp``, then the same 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from smpckpt.errors import SpecError
@@ -17,6 +18,7 @@ from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Translation, stack
 
 __all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+__all__ += ["BIAS_FIELDS"]
 
 _L = "model.layers.{i}."
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -45,6 +47,14 @@ def make_translation(
 
 
 TRANSLATION = make_translation("llama", "LlamaForCausalLM", mlp_bias=True)
+
+#: ``LlamaConfig`` field -> the modules of each layer that have a bias when it is set (HF's names)
+BIAS_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "attention_bias": tuple(f"self_attn.{p}_proj" for p in "qkvo"),
+        "mlp_bias": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    }
+)
 
 
 translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)

@@ -391,3 +391,45 @@ def test_biases_the_familys_model_never_has_are_refused(states: Any) -> None:
     no_o = {k: v for k, v in shapes["ours"].items() if "o_proj.bias" not in k}
     with pytest.raises(smpckpt.SpecError, match=r"'model\.layers\.0\.mlp\.down_proj\.bias'.* has no such tensors"):
         smpckpt.hf.check_translation(MODULES["qwen2"].TRANSLATION, no_o, "ours")
+
+
+def test_llama_export_refuses_an_hf_config_whose_biases_differ_from_the_tensors(tmp_path: Path) -> None:
+    """``hf_config`` builds the model ``from_pretrained`` fills: a Llama with ``attention_bias`` and
+    ``mlp_bias`` tensors under a config without them would lose the biases (dropped as unexpected), and a
+    config with them over a model without would get them freshly initialised. Refused before anything is
+    written, online and by ``consolidate``; the model's own config exports, and loads back bit-exact."""
+    import transformers
+
+    hf = tiny_model("llama", seed=1, dtype=torch.float32, attention_bias=True, mlp_bias=True)
+    ours = MODULES["llama"].translate_hf_state_dict_to_smpckpt(hf.state_dict())
+    kw: dict[str, Any] = dict(partial=False, model=Holder(ours), translate_function=MODULES["llama"].TRANSLATION)
+    root = str(tmp_path / "run")
+    for tag, config, field in (
+        ("a", tiny_config("llama"), "attention_bias=False"),  # neither bias
+        ("b", {**tiny_config("llama").to_dict(), "attention_bias": True}, "mlp_bias=False"),  # a dict, mlp unset
+    ):
+        with pytest.raises(smpckpt.SpecError, match=rf"hf_config has {field}, but the tensors written hold 'model"):
+            smpckpt.save_checkpoint(root, tag, hf_config=config, **kw)
+        assert not os.path.isdir(os.path.join(root, tag)) or not [
+            n for n in os.listdir(os.path.join(root, tag)) if n.endswith(".safetensors")
+        ]
+    plain = MODULES["llama"].translate_hf_state_dict_to_smpckpt(tiny_model("llama", seed=1).state_dict())
+    with pytest.raises(smpckpt.SpecError, match=r"hf_config has mlp_bias=True, but the tensors written lack"):
+        smpckpt.save_checkpoint(
+            root,
+            "c",
+            partial=False,
+            model=Holder(plain),
+            translate_function=MODULES["llama"].TRANSLATION,
+            hf_config=tiny_config("llama", mlp_bias=True),
+        )
+    smpckpt.save_checkpoint(root, "p", model=Holder(ours), save_rng=False)
+    err = io.StringIO()
+    config = tmp_path / "config.json"
+    tiny_config("llama").to_json_file(str(config))
+    argv = ["consolidate", os.path.join(root, "p"), str(tmp_path / "off"), "--translation", "llama"]
+    assert main([*argv, "--hf-config", str(config), "--no-progress"], stdout=io.StringIO(), stderr=err) == 1
+    assert "hf_config has attention_bias=False" in err.getvalue(), err.getvalue()
+    smpckpt.save_checkpoint(root, "ok", hf_config=hf.config, **kw)
+    back = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "ok"))
+    assert _equal(back.state_dict(), hf.state_dict()) == []

@@ -8,15 +8,16 @@ tensors in a view that reshards). :data:`TRANSLATIONS` maps HF's ``config.model_
 translation. Nothing here imports transformers: configs are read by attribute or dict key."""
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from smpckpt.errors import SpecError
 from smpckpt.hf import bert, gpt2, gptj, gptneo, llama, mistral, qwen2, roberta
 from smpckpt.model.translation import Translation, check_translates
 
 __all__ = ["gpt2", "bert", "roberta", "gptj", "gptneo", "llama", "qwen2", "mistral", "TRANSLATIONS", "translation_for"]
-__all__ += ["check_translation", "check_config"]
+__all__ += ["check_translation", "check_config", "check_config_tensors"]
 
 #: HF ``config.model_type`` -> translation.
 TRANSLATIONS: Mapping[str, Translation] = MappingProxyType(
@@ -70,3 +71,25 @@ def check_config(translation: Translation, config: Any) -> None:
             f"hf_config names the architectures {wrong}, which are not {translation.name!r} models (the "
             f"translation writes {translation.architecture}'s tensors): give the config of the model's family"
         )
+
+
+def check_config_tensors(translation: Translation, config: Any, artifact_keys: Iterable[str]) -> None:
+    """Refuse an export to Llama whose ``hf_config`` builds a model with other biases than the tensors
+    written (:data:`smpckpt.hf.llama.BIAS_FIELDS`; a field the config lacks is transformers' default,
+    off): ``from_pretrained`` would drop the biases written, or initialise the ones not written afresh."""
+    if config is None or translation is not TRANSLATIONS["llama"]:
+        return
+    get = config.get if isinstance(config, Mapping) else lambda name: getattr(config, name, None)
+    keys = set(artifact_keys)
+    layers = sorted({int(m.group(1)) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k))})
+    for field, modules in llama.BIAS_FIELDS.items():
+        on = bool(get(field))
+        wrong = [f"model.layers.{i}.{m}.bias" for i in layers for m in modules]
+        wrong = [k for k in wrong if (k in keys) is not on]
+        if wrong:
+            shown = ", ".join(repr(k) for k in wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+            raise SpecError(
+                f"hf_config has {field}={on}, but the tensors written {'lack' if on else 'hold'} {shown}: "
+                f"from_pretrained would {'initialise them afresh' if on else 'drop them'}. Pass the model's own "
+                f"config ({field}={not on})"
+            )

@@ -11,7 +11,8 @@ from smpckpt.model.specs import ShardSpec
 
 __all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
 
-TRANSLATION = make_translation("mistral", "MistralForCausalLM")
+# MistralForCausalLM has no biases, whatever its config
+TRANSLATION = make_translation("mistral", "MistralForCausalLM", no_bias=("q", "k", "v", "o", "gate", "up", "down"))
 
 
 translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)
@@ -20,4 +21,4 @@ translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(_
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
     """Glob -> ShardSpec rules of our Mistral under TP degree ``tp``; as :func:`smpckpt.hf.llama.tp_specs`
     (``MistralConfig`` or a dict with the same fields)."""
-    return family_specs("mistral", tp, config, prefix, biases=False)
+    return family_specs("mistral", tp, config, prefix)

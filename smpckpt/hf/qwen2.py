@@ -14,7 +14,8 @@ from smpckpt.model.specs import ShardSpec
 
 __all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
 
-TRANSLATION = make_translation("qwen2", "Qwen2ForCausalLM")
+# Qwen2ForCausalLM's only biases are q/k/v's
+TRANSLATION = make_translation("qwen2", "Qwen2ForCausalLM", no_bias=("o", "gate", "up", "down"))
 
 
 translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)
@@ -23,4 +24,4 @@ translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(_
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
     """Glob -> ShardSpec rules of our Qwen2 under TP degree ``tp``; as :func:`smpckpt.hf.llama.tp_specs`
     plus the q/k/v biases."""
-    return family_specs("qwen2", tp, config, prefix, biases=True)
+    return family_specs("qwen2", tp, config, prefix)

@@ -169,7 +169,10 @@ class Translation:
             (:meth:`missing_ties`); the eager helpers drop and add heads by it.
         architecture: the transformers class whose state dict the artifact side is
             (``"GPT2LMHeadModel"``), written into ``config.json``'s ``architectures`` when the config
-            given has none."""
+            given has none.
+        absent: artifact key templates the artifact's model never holds, whatever its config (Mistral's
+            biases): a tensor under one would be written where ``from_pretrained`` ignores it, so
+            :func:`check_translates` refuses it on either side."""
 
     def __init__(
         self,
@@ -178,11 +181,14 @@ class Translation:
         ignore: Iterable[str] = (),
         tied: Mapping[str, str] | None = None,
         architecture: str | None = None,
+        absent: Iterable[str] = (),
     ) -> None:
         self.name = name
         self.rules: tuple[Rule, ...] = tuple(rules)
         self.ignore: tuple[str, ...] = tuple(ignore)
         self._ignore_re = [_template_regex(t) for t in self.ignore]
+        self.absent: tuple[str, ...] = tuple(absent)
+        self._absent_re = [_template_regex(t) for t in self.absent]
         self.tied: dict[str, str] = dict(tied or {})
         self.architecture = architecture
         for head, embed in self.tied.items():
@@ -211,6 +217,10 @@ class Translation:
             if fused and len(shape) >= 2 and shape[0] == fused:
                 out[key] = (shape[0] * shape[1], *shape[2:])
         return out
+
+    def is_absent(self, artifact_key: str) -> bool:
+        """Whether ``artifact_key`` is one the artifact's model never holds (:attr:`absent`)."""
+        return any(r.fullmatch(artifact_key) for r in self._absent_re)
 
     def is_ignored(self, artifact_key: str) -> bool:
         """Whether ``artifact_key`` is a non-state entry this translation drops on import."""
@@ -401,6 +411,24 @@ def _prefixed(translation: Translation, key: str, side: str) -> tuple[str, str] 
     return None
 
 
+def _stranded(
+    translation: Translation, kept: Sequence[str], shapes: Mapping[str, Sequence[int]], side: str
+) -> list[str]:
+    """The ``kept`` (untranslated) keys under a module that the rules' templates name on ``side`` only
+    (our fused ``mlp.gate_up_proj``; HF's ``mlp.gate_proj`` on import): the other side has no such module,
+    so the key would land where nothing reads it (``from_pretrained`` ignores a ``gate_up_proj.bias``).
+    Optimizer state beside a parameter in ``shapes`` (a scalar ``<param>.step``) keeps its key by design."""
+    ours = {r.ours.rpartition(".")[0] for r in translation.rules}
+    theirs = {t.rpartition(".")[0] for r in translation.rules for t in r.artifact}
+    only = [
+        _template_regex(m).pattern + r"\." for m in sorted((ours - theirs) if side == "ours" else (theirs - ours)) if m
+    ]
+    modules = [re.compile(p) for p in only]
+    return [
+        k for k in kept if any(m.match(k) for m in modules) and not any(param in shapes for param, _ in _prefixes(k))
+    ]
+
+
 def check_translates(
     translation: Translation,
     shapes: Mapping[str, Sequence[int]],
@@ -451,6 +479,28 @@ def check_translates(
         raise SpecError(
             f"translation {translation.name!r} leaves {_show(found)} as they are, but they are {names} "
             f"{'fused tensors' if side == 'ours' else 'tensors to fuse'}: use the translation of the model's family"
+        )
+    stranded = _stranded(translation, kept, shapes, side)
+    if stranded:
+        target = "the artifact's (Hugging Face) model" if side == "ours" else "our model"
+        raise SpecError(
+            f"translation {translation.name!r} leaves {_show(stranded)} as they are, but its rules rewrite the "
+            f"other tensors of their module, which {target} does not have: nothing would read them there (a "
+            "fused tensor the family's model cannot hold, such as a gate_up_proj.bias for a model without "
+            "mlp_bias). Use the translation of the model's family, or leave the tensors out; if the target "
+            "does hold them under these names, add a rename rule for each to the translation"
+        )
+    absent = [k for k in kept if translation.is_absent(k)]
+    if absent:
+        raise SpecError(
+            f"translation {translation.name!r}: {_show(absent)} would be written as they are, but a "
+            f"{translation.architecture or translation.name} has no such tensors (from_pretrained would "
+            "ignore them): is the model of another family (a Llama with attention_bias or mlp_bias is "
+            "smpckpt.hf.llama's)? Otherwise leave them out"
+            if side == "ours"
+            else f"translation {translation.name!r}: {_show(absent)} are Hugging Face tensors a "
+            f"{translation.architecture or translation.name} never holds: load the folder with the translation "
+            "of its own family (config.json's model_type)"
         )
     prefixed_keys = [k for k in kept if _prefixed(translation, k, side) is not None]
     if prefixed_keys:

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from smpckpt.errors import CheckpointError, SpecError
-from smpckpt.hf import check_translation
+from smpckpt.hf import check_config_tensors, check_translation
 from smpckpt.model.translation import Expr, Leaf, Translation, pieces
 from smpckpt.storage.format._reading import Box, intersect
 from smpckpt.storage.full._source import (
@@ -148,6 +148,8 @@ def _expressions(
     art_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
     art_dtypes: dict[str, dict[str, torch.dtype]] = {}
     translated = _translated(by_artifact, shapes, opts.translation) if opts.translation is not None else {}
+    if opts.translation is not None:  # config.json must build a model holding exactly the biases written
+        check_config_tensors(opts.translation, opts.hf_config, (k for _, a in translated.values() for k in a))
     for art, members in by_artifact.items():
         ours = {key: shapes[fqn] for key, fqn in members.items()}
         if art in translated:

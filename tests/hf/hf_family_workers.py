@@ -61,10 +61,13 @@ def untied_model(name: str) -> Any:
 
 
 def other_family(name: str) -> str:
-    """A family whose rules differ from ``name``'s (Llama, Qwen2 and Mistral share theirs)."""
+    """A family of another layout than ``name``'s: neither's rules hold the other's (Llama, Qwen2 and
+    Mistral share theirs; Llama's add the gate/up bias)."""
     rules = {n: {(r.ours, r.artifact) for r in MODULES[n].TRANSLATION.rules} for n in MODULES}
     names = sorted(MODULES)
-    return next(n for n in names[names.index(name) + 1 :] + names if rules[n] != rules[name])
+    return next(
+        n for n in names[names.index(name) + 1 :] + names if not (rules[n] <= rules[name] or rules[name] <= rules[n])
+    )
 
 
 def _error(fn: Any) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 from sim import load_shards_and_check
 
 import smpckpt
+from smpckpt.hf.llama import make_translation
 from smpckpt.tools.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -144,21 +146,29 @@ def states() -> dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
 
 
 def _same_rules(a: str, b: str) -> bool:
+    """Families of one layout: one's rules hold the other's (Llama's add the gate/up bias Mistral's lack)."""
+
     def templates(name: str) -> set[tuple[str, tuple[str, ...]]]:
         return {(r.ours, r.artifact) for r in MODULES[name].TRANSLATION.rules}
 
-    return templates(a) == templates(b)
+    return templates(a) <= templates(b) or templates(b) <= templates(a)
 
 
 @pytest.mark.parametrize("model", NAMES)
 def test_each_familys_translation_fits_its_tensors_and_no_other_familys(states: Any, model: str) -> None:
     """Every family's keys (HF's, and ours) pass its own translation and are refused by every other whose
-    rules differ (Llama, Qwen2 and Mistral share theirs: the same layout)."""
+    rules differ (Llama, Qwen2 and Mistral share theirs: the same layout), and by Mistral's for Qwen2's
+    q/k/v biases, which a MistralForCausalLM does not have."""
     hf, ours = states[model]
     shapes_hf = {k: tuple(v.shape) for k, v in hf.items()}
     shapes_ours = {k: tuple(v.shape) for k, v in ours.items()}
     for name in NAMES:
         translation = MODULES[name].TRANSLATION
+        if (name, model) == ("mistral", "qwen2"):
+            for side, shapes in (("ours", shapes_ours), ("artifact", shapes_hf)):
+                with pytest.raises(smpckpt.SpecError, match=r"translation 'mistral': 'model\.layers\.0\.self_attn\.q_"):
+                    smpckpt.hf.check_translation(translation, shapes, side)
+            continue
         if name == model or _same_rules(name, model):
             smpckpt.hf.check_translation(translation, shapes_ours, "ours")
             smpckpt.hf.check_translation(translation, shapes_hf, "artifact")
@@ -311,3 +321,115 @@ def test_checking_a_translation_walks_the_shapes_a_few_times_not_once_per_key(si
     shapes = _CountedShapes(ours if side == "ours" else theirs)
     check_translates(smpckpt.hf.llama.TRANSLATION, shapes, side, TRANSLATIONS.values())
     assert _CountedShapes.walks <= 2, f"{_CountedShapes.walks} walks over the {len(shapes)} shapes"
+
+
+def _one_sided_module(name: str, side: str) -> str:
+    """Layer 0's module that ``name``'s rules name on ``side`` only (``"ours"``: a fused one such as
+    Llama's ``mlp.gate_up_proj``; ``"artifact"``: one it fuses away, such as ``mlp.gate_proj``)."""
+    rules = MODULES[name].TRANSLATION.rules
+    ours = {r.ours.rpartition(".")[0] for r in rules}
+    theirs = {t.rpartition(".")[0] for r in rules for t in r.artifact}
+    return sorted((ours - theirs) if side == "ours" else (theirs - ours))[0].format(i=0)
+
+
+@pytest.mark.parametrize("model", NAMES)
+def test_a_tensor_left_under_a_module_the_target_lacks_is_refused(states: Any, model: str) -> None:
+    """F6 in general: a tensor no rule takes, under a module the translation rewrites away (our fused
+    ``gate_up_proj.bias`` before Llama's rule fused it), would be written where the other side's model never
+    reads it. Every family refuses it by name, on export and on import; its optimizer state beside it
+    too (scalar ``step`` counters of translated parameters keep their keys, as before)."""
+    hf, ours = states[model]
+    translation = MODULES[model].TRANSLATION
+    for side, state in (("ours", ours), ("artifact", hf)):
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
+        stray = _one_sided_module(model, side) + ".stray_bias"
+        with pytest.raises(smpckpt.SpecError, match=rf"translation '{model}' leaves '{re.escape(stray)}' as they are"):
+            smpckpt.hf.check_translation(translation, {**shapes, stray: (4,)}, side)
+    shapes = {k: tuple(v.shape) for k, v in ours.items()}
+    steps = {f"{k}.step": () for k in shapes}  # a translated parameter's scalar state keeps its key: fine
+    smpckpt.hf.check_translation(translation, {**shapes, **steps}, "ours")
+
+
+def test_a_gate_up_bias_is_refused_by_families_that_cannot_hold_it(states: Any) -> None:
+    """Mistral and Qwen2 have no MLP biases (Llama's ``mlp_bias``): a fused ``gate_up_proj.bias`` exported
+    with their translations would be written as gate/up biases their models ignore. And a Llama
+    translation without the bias rule (the F6 gap) is refused too, not written under our fused key."""
+    _, ours = states["llama"]
+    shapes = {k: tuple(v.shape) for k, v in ours.items()}
+    shapes["model.layers.1.mlp.gate_up_proj.bias"] = (2, 64)
+    for name in ("mistral", "qwen2"):
+        with pytest.raises(smpckpt.SpecError, match=r"leaves 'model\.layers\.1\.mlp\.gate_up_proj\.bias'"):
+            smpckpt.hf.check_translation(MODULES[name].TRANSLATION, shapes, "ours")
+    smpckpt.hf.check_translation(MODULES["llama"].TRANSLATION, shapes, "ours")
+    weights_only = make_translation("llama", "LlamaForCausalLM")
+    with pytest.raises(smpckpt.SpecError, match=r"leaves 'model\.layers\.1\.mlp\.gate_up_proj\.bias' as they are"):
+        smpckpt.hf.check_translation(weights_only, shapes, "ours")
+    hf = {k: tuple(v.shape) for k, v in states["llama"][0].items()}
+    hf.update({f"model.layers.1.mlp.{p}_proj.bias": (64,) for p in ("gate", "up")})
+    with pytest.raises(smpckpt.SpecError, match=r"leaves 'model\.layers\.1\.mlp\.gate_proj\.bias'"):
+        smpckpt.hf.check_translation(weights_only, hf, "artifact")
+
+
+def test_biases_the_familys_model_never_has_are_refused(states: Any) -> None:
+    """A Llama with ``attention_bias`` / ``mlp_bias`` exported as Mistral (no biases) or Qwen2 (q/k/v
+    biases only): ``from_pretrained`` would ignore the biases those models lack, so they are refused by
+    name, on export and on import, and Llama's own translation takes them."""
+    hf = tiny_model("llama", seed=1, dtype=torch.float32, attention_bias=True, mlp_bias=True).state_dict()
+    hf = {k: v for k, v in hf.items() if not k.endswith(("gate_proj.bias", "up_proj.bias"))}  # no fused bias
+    ours = MODULES["llama"].translate_hf_state_dict_to_smpckpt(hf)
+    shapes = {side: {k: tuple(v.shape) for k, v in sd.items()} for side, sd in (("ours", ours), ("artifact", hf))}
+    for side in ("ours", "artifact"):
+        smpckpt.hf.check_translation(MODULES["llama"].TRANSLATION, shapes[side], side)
+        with pytest.raises(
+            smpckpt.SpecError, match=r"translation 'mistral': 'model\.layers\.0\.self_attn\.q_proj\.bias'"
+        ):
+            smpckpt.hf.check_translation(MODULES["mistral"].TRANSLATION, shapes[side], side)
+        with pytest.raises(
+            smpckpt.SpecError, match=r"translation 'qwen2': 'model\.layers\.0\.self_attn\.o_proj\.bias'"
+        ):
+            smpckpt.hf.check_translation(MODULES["qwen2"].TRANSLATION, shapes[side], side)
+    no_o = {k: v for k, v in shapes["ours"].items() if "o_proj.bias" not in k}
+    with pytest.raises(smpckpt.SpecError, match=r"'model\.layers\.0\.mlp\.down_proj\.bias'.* has no such tensors"):
+        smpckpt.hf.check_translation(MODULES["qwen2"].TRANSLATION, no_o, "ours")
+
+
+def test_llama_export_refuses_an_hf_config_whose_biases_differ_from_the_tensors(tmp_path: Path) -> None:
+    """``hf_config`` builds the model ``from_pretrained`` fills: a Llama with ``attention_bias`` and
+    ``mlp_bias`` tensors under a config without them would lose the biases (dropped as unexpected), and a
+    config with them over a model without would get them freshly initialised. Refused before anything is
+    written, online and by ``consolidate``; the model's own config exports, and loads back bit-exact."""
+    import transformers
+
+    hf = tiny_model("llama", seed=1, dtype=torch.float32, attention_bias=True, mlp_bias=True)
+    ours = MODULES["llama"].translate_hf_state_dict_to_smpckpt(hf.state_dict())
+    kw: dict[str, Any] = dict(partial=False, model=Holder(ours), translate_function=MODULES["llama"].TRANSLATION)
+    root = str(tmp_path / "run")
+    for tag, config, field in (
+        ("a", tiny_config("llama"), "attention_bias=False"),  # neither bias
+        ("b", {**tiny_config("llama").to_dict(), "attention_bias": True}, "mlp_bias=False"),  # a dict, mlp unset
+    ):
+        with pytest.raises(smpckpt.SpecError, match=rf"hf_config has {field}, but the tensors written hold 'model"):
+            smpckpt.save_checkpoint(root, tag, hf_config=config, **kw)
+        assert not os.path.isdir(os.path.join(root, tag)) or not [
+            n for n in os.listdir(os.path.join(root, tag)) if n.endswith(".safetensors")
+        ]
+    plain = MODULES["llama"].translate_hf_state_dict_to_smpckpt(tiny_model("llama", seed=1).state_dict())
+    with pytest.raises(smpckpt.SpecError, match=r"hf_config has mlp_bias=True, but the tensors written lack"):
+        smpckpt.save_checkpoint(
+            root,
+            "c",
+            partial=False,
+            model=Holder(plain),
+            translate_function=MODULES["llama"].TRANSLATION,
+            hf_config=tiny_config("llama", mlp_bias=True),
+        )
+    smpckpt.save_checkpoint(root, "p", model=Holder(ours), save_rng=False)
+    err = io.StringIO()
+    config = tmp_path / "config.json"
+    tiny_config("llama").to_json_file(str(config))
+    argv = ["consolidate", os.path.join(root, "p"), str(tmp_path / "off"), "--translation", "llama"]
+    assert main([*argv, "--hf-config", str(config), "--no-progress"], stdout=io.StringIO(), stderr=err) == 1
+    assert "hf_config has attention_bias=False" in err.getvalue(), err.getvalue()
+    smpckpt.save_checkpoint(root, "ok", hf_config=hf.config, **kw)
+    back = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "ok"))
+    assert _equal(back.state_dict(), hf.state_dict()) == []

@@ -87,6 +87,22 @@ def test_llama_layout():
     )
 
 
+def test_llama_biases_translate_both_ways():
+    """``mlp_bias``: gate/up biases fuse into ``gate_up_proj.bias`` (``[2, I]`` in the view, ``[2I]`` as the
+    model holds it) as the weights do, and come back apart; ``attention_bias`` keeps HF's keys."""
+    mod = MODULES["llama"]
+    hf = tiny_model("llama", attention_bias=True, mlp_bias=True).state_dict()
+    p = "model.layers.1.mlp."
+    view = mod.translate_hf_state_dict_to_smpckpt(hf, keep_view_shapes=True)
+    assert p + "gate_proj.bias" not in view and p + "up_proj.bias" not in view
+    assert torch.equal(view[p + "gate_up_proj.bias"], torch.stack([hf[p + "gate_proj.bias"], hf[p + "up_proj.bias"]]))
+    merged = mod.translate_hf_state_dict_to_smpckpt(hf)
+    assert torch.equal(merged[p + "gate_up_proj.bias"], torch.cat([hf[p + "gate_proj.bias"], hf[p + "up_proj.bias"]]))
+    for ours in (view, merged):
+        assert_same_state(mod.translate_state_dict_to_hf(ours), hf)
+    assert all(k in view for k in hf if "self_attn" in k)  # q/k/v/o biases keep HF's keys
+
+
 def test_exported_files_load_into_transformers(tmp_path):
     """What we export is what transformers reads: save_pretrained-style folder and strict load_state_dict."""
     from safetensors.torch import save_file
@@ -209,7 +225,7 @@ def test_gpt2_tp_specs():
         MODULES["gpt2"].tp_specs(0, cfg)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
 def test_llama_family_tp_specs(name):
     mod, attn = MODULES[name], "model.layers.*.self_attn."
     cfg = tiny_config(name)  # nh=4, nkv=2
@@ -221,8 +237,12 @@ def test_llama_family_tp_specs(name):
     assert sharded["model.layers.*.mlp.gate_up_proj.weight"] == ShardSpec(1, view=(2, -1, 32))
     assert sharded["model.layers.*.mlp.down_proj.weight"] == ShardSpec(1)
     assert sharded["model.embed_tokens.weight"] == sharded["lm_head.weight"] == ShardSpec(0)
-    assert (attn + "q_proj.bias" in sharded) is (name == "qwen2")
-    assert (attn + "k_proj.bias" in sharded) is (name == "qwen2") and attn + "k_proj.bias" not in replicated
+    # biases (Qwen2's q/k/v, Llama's attention_bias / mlp_bias) follow their weights' rows; o/down's replicated
+    assert sharded[attn + "q_proj.bias"] == replicated[attn + "q_proj.bias"] == ShardSpec(0)
+    assert sharded[attn + "k_proj.bias"] == sharded[attn + "v_proj.bias"] == ShardSpec(0)
+    assert attn + "k_proj.bias" not in replicated and attn + "v_proj.bias" not in replicated
+    assert sharded["model.layers.*.mlp.gate_up_proj.bias"] == ShardSpec(1, view=(2, -1))
+    assert attn + "o_proj.bias" not in sharded and "model.layers.*.mlp.down_proj.bias" not in sharded
     with pytest.raises(SpecError, match="num_attention_heads=4 does not divide by tp=8"):
         mod.tp_specs(8, cfg)
     odd = {

@@ -249,6 +249,8 @@ class _Copies:
                     if (problem := done.result()) is not None:
                         bad[rec.name] = problem
             finally:  # none still writes into the folder once it is closed
+                for _, done in tasks:  # path failed: the files not started never start (each would pay its
+                    done.cancel()  # timeouts on a hung endpoint, 16 at a time: rev68i F5)
                 concurrent.futures.wait([done for _, done in tasks])
             if self.sync:
                 folder.fsync_dirs()

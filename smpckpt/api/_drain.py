@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from smpckpt.api._dist import DistContext
 from smpckpt.api._save import SaveRequest, publish_newest, retain
 from smpckpt.api._tiers import Nodes
+from smpckpt.catalog.root import sequence_of
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointExists
 from smpckpt.storage import tools
 from smpckpt.storage.backends._folder import Folder
@@ -331,6 +332,7 @@ def drain(
             req.tag,
         )
     tier.memory.durable = max(tier.memory.durable or 0, tier.seq if retry is None else retry.seq)
+    tier.memory.saw_path(sequence_of(manifest.extra))  # in path now: the job's later saves record it (path_seen)
     if tier.nodes.is_leader:
         _note_drained(tier.job, req.tag, manifest.save_id)
     breq = dataclasses.replace(req, process_group=group)

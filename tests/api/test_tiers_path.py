@@ -29,6 +29,7 @@ from smpckpt import (
     FastTier,
     Location,
     ResumeOptions,
+    SaveOptions,
     drain_status,
     last_resume_info,
     resume_from_checkpoint,
@@ -80,6 +81,27 @@ def test_a_new_runs_save_of_a_drained_tag_name_is_not_the_drain(tmp_path: Path) 
     resume_from_checkpoint(durable, model=new, options=FastTier(local_path=str(fast)))
     info = last_resume_info()
     assert info is not None and (info.tag, info.tier) == ("s3", "fast") and _same(new, _linear(3))
+
+
+def test_the_jobs_own_overwrite_of_a_drained_tag_is_no_emptied_path(tmp_path: Path) -> None:
+    """rev68i F3: s2 drained, then replaced in path by the job's own plain save (overwrite=True: another save
+    id), s3 saved to the fast tier only: resume() refused as if path had been emptied (naming tag=), path
+    holding none of the recorded drains' saves. The job saw path's newest when it saved s3: it is recorded too,
+    and s3 resumes bit-exactly (an emptied path or a new run's save is still refused: the tests above)."""
+    durable, fast = tmp_path / "durable", tmp_path / "fast"
+    model, tier = _linear(1), FastTier(local_path=str(fast), replicas=1, durable_every=2)
+    for s in (1, 2):
+        save_checkpoint(durable, f"s{s}", model=model, options=tier)
+    wait_for_saves()
+    save_checkpoint(durable, "s2", model=_linear(2), options=SaveOptions(overwrite=True))
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    save_checkpoint(durable, "s3", model=model, options=tier)  # not due: the fast tier only
+    wait_for_saves()
+    got = _linear(9)
+    resume_from_checkpoint(durable, model=got, options=FastTier(local_path=str(fast)))
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s3", "fast") and _same(got, model)
 
 
 def test_a_restart_with_path_intact_or_never_drained_resumes_the_fast_tier(tmp_path: Path) -> None:

@@ -79,21 +79,25 @@ async def _watched(call: Any, body: PartBody | None, limit: float, what: str) ->
     ``what``. A body that keeps moving, however slowly, is never cut short; every retry sends it again."""
     task = asyncio.ensure_future(call)
     seen = body.moved if body is not None else 0
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=limit)
-        if done:
-            return task.result()
-        moved = body.moved if body is not None else seen
-        if moved == seen:
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=limit)
+            if done:
+                return task.result()
+            moved = body.moved if body is not None else seen
+            if moved == seen:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                raise TimeoutError(
+                    errno.ETIMEDOUT,
+                    f"{what}: no answer and no byte of the request sent for {limit:.1f}s (the storage options' "
+                    "connect_timeout + read_timeout + retry back-off): the endpoint hangs",
+                )
+            seen = moved
+    finally:  # this wait cancelled (an aborted upload cancels its parts): the request ends with it
+        if not task.done():
             task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            raise TimeoutError(
-                errno.ETIMEDOUT,
-                f"{what}: no answer and no byte of the request sent for {limit:.1f}s (the storage options' "
-                "connect_timeout + read_timeout + retry back-off): the endpoint hangs",
-            )
-        seen = moved
 
 
 class PartBody(Payload):

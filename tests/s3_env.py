@@ -75,3 +75,70 @@ def serve_full_artifact(
     if span_limit is not None:
         monkeypatch.setattr(_full_files, "SPAN_BYTES", span_limit)
     return opts, record_ranged_gets(monkeypatch, ".safetensors")
+
+
+class FreezingProxy:
+    """A loopback TCP proxy in front of ``127.0.0.1:port`` that hangs once ``freeze_after`` bytes went up
+    through it: from then on it reads and forwards nothing on any connection, open or new, and keeps them
+    all open (an endpoint that stops answering mid-request, as a hung S3 does). ``close()`` drops them.
+    ``down = True``: an outage instead (every connection reset, new ones at once) until set back."""
+
+    def __init__(self, port: int, freeze_after: int | None = None) -> None:
+        import threading
+
+        self.target, self.freeze_after, self.up, self.down = port, freeze_after, 0, False
+        self.frozen, self._lock, self._held = threading.Event(), threading.Lock(), list[socket.socket]()
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.port = int(self._sock.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import contextlib
+        import threading
+
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self._sock.accept()
+                self._held.append(client)
+                if self.down:
+                    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                    client.close()  # reset: connection refused, as an endpoint that is down
+                    continue
+                if self.frozen.is_set():
+                    continue  # accepted, never answered
+                server = socket.create_connection(("127.0.0.1", self.target), timeout=10)
+                server.settimeout(None)
+                self._held.append(server)
+                threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        import contextlib
+
+        with contextlib.suppress(OSError):
+            while not self.frozen.is_set():
+                data = src.recv(65536)
+                if self.down:
+                    src.close()
+                    dst.close()
+                    return
+                if not data:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                if up and self.freeze_after is not None:
+                    with self._lock:
+                        self.up += len(data)
+                        if self.up >= self.freeze_after:
+                            self.frozen.set()
+                if self.frozen.is_set():
+                    return  # what it read is never sent: the request hangs where it was
+                dst.sendall(data)
+
+    def close(self) -> None:
+        import contextlib
+
+        for s in (self._sock, *self._held):
+            with contextlib.suppress(OSError):
+                s.close()

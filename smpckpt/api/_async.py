@@ -167,11 +167,31 @@ def wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:
         log.info("waited %.2fs for %s", time.monotonic() - started, what)
 
 
+def _healed(lane: Lane, failed: tuple[str, BaseException]) -> bool:
+    """``lane``'s failed drain of ``failed[0]`` was drained again since, and committed, by another Checkpointer's
+    drain of the same root (a job giving each save a new model object has a Checkpointer per save): nothing
+    is left to report (it was raised by ``wait_for_saves`` as a failure: rev68i)."""
+    owner = lane.owner()
+    root = getattr(owner, "_root_key", None)
+    for other in live_lanes():
+        fut = other.fut
+        if other is lane or other.kind != "drain" or other.tag != failed[0] or other.submitted <= lane.submitted:
+            continue
+        if root is not None and getattr(other.owner(), "_root_key", None) == root and fut is not None and fut.done():
+            if not fut.cancelled() and fut.exception() is None:
+                return True
+    return False
+
+
 def raise_failed(lanes: Iterable[Lane], suffix: str) -> None:
-    """Raise the first failure a lane kept (each once: it is then cleared); saves before drains."""
+    """Raise the first failure a lane kept (each once: it is then cleared); saves before drains. A drain
+    failure healed since (:func:`_healed`) is cleared, logged, not raised."""
     for lane in sorted(lanes, key=lambda lane: lane.kind != "save"):
         if (failed := lane.take_failed()) is not None:
             tag, exc = failed
+            if lane.kind == "drain" and _healed(lane, failed):
+                log.info("the failed drain of checkpoint %r was drained again since, and committed: %s", tag, exc)
+                continue
             if lane.kind == "save":
                 what, kept = f"the background save of checkpoint {tag!r}", ""
             else:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from smpckpt.api._dist import DistContext
 from smpckpt.api._save import SaveRequest, publish_newest, retain
 from smpckpt.api._tiers import Nodes
+from smpckpt.catalog.root import sequence_of
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointExists
 from smpckpt.storage import tools
 from smpckpt.storage.backends._folder import Folder
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from smpckpt.api._fast_save import PendingDrain, TierPlan
     from smpckpt.catalog.root import ManifestCache
 
-__all__ = ["drain", "copiers", "holders_of", "JOB_DRAINED", "read_drained", "is_drained", "path_down"]
+__all__ = ["drain", "copiers", "holders_of", "JOB_DRAINED", "read_drained", "is_drained", "path_down", "note_drained"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -77,8 +78,9 @@ def is_drained(drained: Mapping[str, str], tag: str, save_id: str) -> bool:
     return tag in drained and drained[tag] in ("", save_id)
 
 
-def _note_drained(job: str, tag: str, save_id: str) -> None:
-    """(a node's first rank, once ``tag`` is committed in ``path``) ``tag`` first in the record, replaced whole
+def note_drained(job: str, tag: str, save_id: str) -> None:
+    """(a node's first rank, once ``tag`` is committed in ``path``: drained, or seen there by the job, rev68i F3)
+    ``tag`` first in the record, replaced whole
     (a reader sees the old record or the new one); a failure is logged: the resume then knows less, as before."""
     ids = dict([(tag, save_id), *((t, i) for t, i in read_drained(job).items() if t != tag)][:_DRAINED_KEPT])
     tmp = os.path.join(job, f".{JOB_DRAINED}.{os.getpid()}")
@@ -249,6 +251,8 @@ class _Copies:
                     if (problem := done.result()) is not None:
                         bad[rec.name] = problem
             finally:  # none still writes into the folder once it is closed
+                for _, done in tasks:  # path failed: the files not started never start (each would pay its
+                    done.cancel()  # timeouts on a hung endpoint, 16 at a time: rev68i F5)
                 concurrent.futures.wait([done for _, done in tasks])
             if self.sync:
                 folder.fsync_dirs()
@@ -329,8 +333,9 @@ def drain(
             req.tag,
         )
     tier.memory.durable = max(tier.memory.durable or 0, tier.seq if retry is None else retry.seq)
+    tier.memory.saw_path(sequence_of(manifest.extra))  # in path now: the job's later saves record it (path_seen)
     if tier.nodes.is_leader:
-        _note_drained(tier.job, req.tag, manifest.save_id)
+        note_drained(tier.job, req.tag, manifest.save_id)
     breq = dataclasses.replace(req, process_group=group)
     publish_newest(breq, dctx, manifest.extra)  # its roll-back record: the root's copy (catalog.root)
     log.info(

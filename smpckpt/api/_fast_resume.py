@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from smpckpt.api._dist import DistContext
-from smpckpt.api._drain import is_drained, path_down, read_drained
+from smpckpt.api._drain import is_drained, note_drained, path_down, read_drained
 from smpckpt.api._resume import (
     ResumeRequest,
     Target,
@@ -330,7 +330,13 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
             ctx.all_ok(functools.partial(_warn_on, ctx, said, 7))
             if nxt is None and choice.durable is None:
                 raise first
-        return None if choice.durable is None else _load_durable(req, ctx, choice.durable, part)
+        if choice.durable is None:
+            return None
+        loaded = _load_durable(req, ctx, choice.durable, part)
+        if ctx.is_coordinator and not is_drained(read_drained(choice.job), choice.durable.tag, choice.durable.order[2]):
+            # (node 0's first rank) the job goes on from it: path holding it is no emptied path (rev68i F3)
+            note_drained(choice.job, choice.durable.tag, choice.durable.order[2])
+        return loaded
     except CheckpointError as exc:
         loaded_in_place(exc, began)
         raise

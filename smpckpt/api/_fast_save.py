@@ -22,7 +22,7 @@ from typing import Any
 
 from smpckpt.api._async import GlooGroups, Lane, wait_logged
 from smpckpt.api._dist import DistContext, peer_failures
-from smpckpt.api._drain import drain, is_drained, path_down, read_drained
+from smpckpt.api._drain import drain, is_drained, note_drained, path_down, read_drained
 from smpckpt.api._fast_resume import Loaded, choose_tier, lineage_for, load_tiered, runs_for
 from smpckpt.api._resume import ResumeRequest
 from smpckpt.api._save import SaveRequest, run_save
@@ -43,7 +43,14 @@ from smpckpt.api._tiers import (
     tier_seq,
 )
 from smpckpt.api.options import FastTier
-from smpckpt.catalog.root import SequenceCounter, open_root, partial_dirname, partial_url, sequence_of
+from smpckpt.catalog.root import (
+    SequenceCounter,
+    newest_record,
+    open_root,
+    partial_dirname,
+    partial_url,
+    sequence_of,
+)
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import probe_checkpoint
 from smpckpt.storage.backends._fs import is_local, join, open_fs
@@ -126,6 +133,16 @@ class FastTierPart:
 
 
 # -- the tiered save ---------------------------------------------------------------------------------------
+
+
+def _note_newest(req: SaveRequest, job: str, manifests: Any) -> None:
+    """(rank 0: node 0's first rank) ``path``'s newest committed checkpoint, recorded in the job folder as
+    held there (``note_drained``) unless it is: the job saw it (another writer's of the root, its own plain
+    ``overwrite=True`` save of a drained tag among them), so a resume finding only it in ``path`` is no emptied
+    path (rev68i F3: refused as one, naming ``tag=``)."""
+    found = newest_record(req.root, req.storage_options, manifests)
+    if found is not None and found.committed and not is_drained(read_drained(job), found.tag, found.order[2]):
+        note_drained(job, found.tag, found.order[2])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +237,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
             if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
                 raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
             drained, part.counter.offline = memory.durable_seq(req.root, req.storage_options), False
+            _note_newest(req, job, part.counter.manifests)
         except OSError as exc:
             if not path_down(exc):
                 raise

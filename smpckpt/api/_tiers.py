@@ -98,6 +98,10 @@ class TierState:
         """What ``other`` (the fast tier of the Checkpointer this one's replaces) knew of the job's history."""
         self.continues, self.runs, self.passed = other.continues, other.runs, other.passed
         self.fresh, self.back_to = other.fresh, other.back_to
+        # what it knew in path: a resume's Checkpointer (its FastTier without the save's options) hands the job
+        # to the save's, and a save made while path is down records it (path_seen); 0 there refused the restart
+        # as "diverged histories" (rev68i F4)
+        self.saw_path(other.path_seq)
 
     def saw_path(self, seq: int) -> None:
         """A checkpoint with root sequence number ``seq`` is in ``path`` or due there from this job."""

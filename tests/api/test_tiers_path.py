@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 import s3fs
 import tier_workers
+import torch
 from dist_harness import run_world
-from s3_env import free_port
+from s3_env import FreezingProxy, free_port
 from tier_helpers import job as _job
 from tier_helpers import linear as _linear
 from tier_helpers import same as _same
+from torch import nn
 
 from smpckpt import (
     CheckpointError,
@@ -27,6 +29,8 @@ from smpckpt import (
     FastTier,
     Location,
     ResumeOptions,
+    SaveOptions,
+    drain_status,
     last_resume_info,
     resume_from_checkpoint,
     save_checkpoint,
@@ -79,6 +83,27 @@ def test_a_new_runs_save_of_a_drained_tag_name_is_not_the_drain(tmp_path: Path) 
     assert info is not None and (info.tag, info.tier) == ("s3", "fast") and _same(new, _linear(3))
 
 
+def test_the_jobs_own_overwrite_of_a_drained_tag_is_no_emptied_path(tmp_path: Path) -> None:
+    """rev68i F3: s2 drained, then replaced in path by the job's own plain save (overwrite=True: another save
+    id), s3 saved to the fast tier only: resume() refused as if path had been emptied (naming tag=), path
+    holding none of the recorded drains' saves. The job saw path's newest when it saved s3: it is recorded too,
+    and s3 resumes bit-exactly (an emptied path or a new run's save is still refused: the tests above)."""
+    durable, fast = tmp_path / "durable", tmp_path / "fast"
+    model, tier = _linear(1), FastTier(local_path=str(fast), replicas=1, durable_every=2)
+    for s in (1, 2):
+        save_checkpoint(durable, f"s{s}", model=model, options=tier)
+    wait_for_saves()
+    save_checkpoint(durable, "s2", model=_linear(2), options=SaveOptions(overwrite=True))
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    save_checkpoint(durable, "s3", model=model, options=tier)  # not due: the fast tier only
+    wait_for_saves()
+    got = _linear(9)
+    resume_from_checkpoint(durable, model=got, options=FastTier(local_path=str(fast)))
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s3", "fast") and _same(got, model)
+
+
 def test_a_restart_with_path_intact_or_never_drained_resumes_the_fast_tier(tmp_path: Path) -> None:
     """Not the emptied case: path holds the recorded drain (s2; s3 newer, in the fast tier only), or no drain
     was due yet (durable_every=5: path empty, nothing recorded)."""
@@ -102,9 +127,12 @@ def test_a_restart_with_path_intact_or_never_drained_resumes_the_fast_tier(tmp_p
         assert info is not None and info.tier == "fast" and _same(got, m3)
 
 
-def _resumes_from_path(root: str, options: dict[str, Any], tmp_path: Path, tag: str, want: Any) -> None:
-    """A resume from ``path`` alone (an empty fast tier) loads ``tag``, bit-exactly ``want``'s state."""
-    got = _linear(9)
+def _resumes_from_path(
+    root: str, options: dict[str, Any], tmp_path: Path, tag: str, want: Any, got: Any = None
+) -> None:
+    """A resume from ``path`` alone (an empty fast tier) into ``got`` (default: a small linear) loads ``tag``,
+    bit-exactly ``want``'s state."""
+    got = _linear(9) if got is None else got
     resume_from_checkpoint(
         Location(root, storage_options=options), model=got, options=FastTier(local_path=str(tmp_path / "empty"))
     )
@@ -292,3 +320,94 @@ def test_a_due_save_pending_while_path_is_down_outlives_fast_tier_retention_and_
             )
     wait_for_saves()
     _resumes_from_path(root, options, tmp_path, "s4", m4)
+
+
+def test_a_drain_copying_when_path_hangs_fails_in_bounded_time_and_drains_again(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """rev68i F5: a drain already copying when the endpoint hung (connections open, nothing read or answered)
+    blocked for more than 290 s at 0.5 s timeouts: aiohttp has no timeout on sending a body nor on the wait
+    for ``100 Continue``, and ``wait_for_saves`` (and the next due save) waited as long. Now a request that
+    stops moving fails the drain (the storage options' timeouts and back-off, ``stall_limit``); it is a
+    failed drain as any other: the fast copy kept, the next save drains it again, path's copy bit-exact."""
+    root, options = s3_root
+    port = int(options["client_kwargs"]["endpoint_url"].rsplit(":", 1)[1])
+    proxy = FreezingProxy(port, freeze_after=4 << 20)  # mid-drain: s1 and s2's fast saves send far less
+    cfg = {"connect_timeout": 0.2, "read_timeout": 0.2, "retries": {"max_attempts": 1, "mode": "standard"}}
+    client = {**options["client_kwargs"], "endpoint_url": f"http://127.0.0.1:{proxy.port}"}
+    hung = {**options, "client_kwargs": client, "config_kwargs": cfg}
+    fast, big = str(tmp_path / "fast"), nn.Linear(2048, 2048)  # 16 MiB: a drain of several MiB
+    models = {1: _linear(1), 2: big, 3: _linear(3)}
+
+    def save(s: int, opts: dict[str, Any]) -> None:
+        save_checkpoint(
+            Location(root, storage_options=opts),
+            f"s{s}",
+            model=models[s],
+            options=FastTier(local_path=fast, replicas=1, durable_every=2),
+        )
+
+    outcome: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            wait_for_saves()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    try:
+        save(1, hung)
+        save(2, hung)  # due: its drain starts, and path hangs while it copies
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        waiter.join(240)  # a bound on the test, not a timing: before the fix it waited for ever
+        assert proxy.frozen.is_set() and outcome, "wait_for_saves still waits for a drain on a hung endpoint"
+    finally:
+        proxy.close()
+    failed = outcome[0]
+    assert isinstance(failed, CheckpointError), failed
+    for part in ("'s2'", "the endpoint hangs", "fast tier"):
+        assert part in str(failed), (part, str(failed))
+    status = drain_status()
+    assert status is not None and (status.tag, status.state) == ("s2", "failed")
+    assert (Path(job_folder(fast, durable_key(root, options))) / "s2_partial").is_dir()  # the fast copy kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the retried drain is warned about: tested elsewhere
+        save(3, options)  # path answering, not due: drains s2 again
+    wait_for_saves()
+    _resumes_from_path(root, options, tmp_path, "s2", big, nn.Linear(2048, 2048))
+
+
+def test_a_job_restarted_and_saving_through_an_outage_resumes_its_save_after_it(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """rev68i F4: s1 drained; the job restarted (resume(): a Checkpointer without the save's FastTier options,
+    replaced by the save's), saved s2 while path was down, and stopped: the next restart, path back, refused
+    s2 as "diverged histories" (s2 recorded path_seen 0: the save's Checkpointer took over the save numbers but
+    not what the resume saw in path). Now it resumes s2 bit-exactly."""
+    root, options = s3_root
+    proxy = FreezingProxy(int(options["client_kwargs"]["endpoint_url"].rsplit(":", 1)[1]))
+    cfg = {**options["config_kwargs"], "retries": {"max_attempts": 1, "mode": "standard"}}
+    client = {**options["client_kwargs"], "endpoint_url": f"http://127.0.0.1:{proxy.port}"}
+    loc = Location(root, storage_options={**options, "client_kwargs": client, "config_kwargs": cfg})
+    fast, tier = str(tmp_path / "fast"), FastTier(local_path=str(tmp_path / "fast"), replicas=1, num_kept_local=1)
+    try:
+        save_checkpoint(loc, "s1", model=_linear(1), options=tier)
+        wait_for_saves()
+        model = _linear(9)  # the restarted job
+        resume_from_checkpoint(loc, model=model, options=FastTier(local_path=fast))
+        proxy.down = True
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # path unreachable: said, tested above
+            save_checkpoint(loc, "s2", model=model, options=tier)
+        wait_for_saves()  # s2, due, pending: no drain while path is down
+        proxy.down = False
+        got = _linear(7)  # the job restarted again, path back
+        resume_from_checkpoint(loc, model=got, options=FastTier(local_path=fast))
+    finally:
+        proxy.close()
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s2", "fast") and _same(got, model)

@@ -386,7 +386,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit (a NaN equals itself, -0.0 is not +0.0): one tensor written twice is the same bytes."""
     if a.numel() != b.numel() or a.dtype != b.dtype:
         return False
-    a, b = a.reshape(-1), b.reshape(-1)
+    # the values a conjugate or negated view shows (a view as integers refuses the negative bit)
+    a, b = a.reshape(-1).resolve_conj().resolve_neg(), b.reshape(-1).resolve_conj().resolve_neg()
     if a.dtype.is_floating_point:
         as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         return bool(torch.equal(a.view(as_int), b.view(as_int)))

@@ -46,6 +46,21 @@ _CASES: dict[str, tuple[dict[str, torch.Tensor], View]] = {
         {"a": torch.tensor([0.0, 1, 2, 3]), "b": torch.tensor([10.0, 11, 12, 13])},
         lambda base: {"a": base[0:4], "b": base.as_strided((4,), (2,), 0)},
     ),
+    # fix69d F4: a conjugate or negated view of one memory shows other values (it was taken as a tie of the
+    # plain view: a consistent checkpoint refused, an inconsistent one loaded silently)
+    "conjugate view": (
+        {"a": torch.tensor([1 + 2j, 3 - 4j, 5j, -6]), "b": torch.tensor([1 + 2j, 3 - 4j, 5j, -6])},
+        lambda base: {"a": base.view(torch.complex64), "b": base.view(torch.complex64).conj()},
+    ),
+    "negated view": (
+        {"a": torch.tensor([1.0, -2, 3, 4]), "b": torch.tensor([1.0, -2, 3, 4])},
+        lambda base: {"a": base.view(torch.complex64).imag, "b": base.view(torch.complex64).conj().imag},
+    ),
+    # (F5: comparing the bits of a negated view raised torch's "view is not supported ... negative bit")
+    "negated view overlapping": (
+        {"a": torch.tensor([1.0, -2, 3, 4]), "b": torch.tensor([1.0, -2])},
+        lambda base: {"a": base.view(torch.complex64).imag, "b": base.view(torch.complex64).conj().imag[1:3]},
+    ),
 }
 
 

@@ -62,6 +62,18 @@ def not_dense(key: str, layout: object, shape: tuple[int, ...]) -> SpecError:
     )
 
 
+def not_quantized(key: str, dtype: object, qscheme: object, shape: tuple[int, ...]) -> SpecError:
+    """The error for a quantized tensor at ``key``: its integers alone would be saved, and loaded into the
+    destination's own scale and zero-point (other values, silently); planners and writers alike raise it."""
+    return SpecError(
+        f"{key}: a quantized tensor ({dtype}, {qscheme}, shape {shape}) cannot be saved or loaded: its scale and "
+        "zero-point would not be restored (a load copies its integers into the destination's own quantization); "
+        "store .dequantize(), or .int_repr() and its q_scale() and q_zero_point() (per channel: "
+        "q_per_channel_scales(), q_per_channel_zero_points(), q_per_channel_axis()) as entries of their own "
+        "and quantize again after the load; a quantized model's state_dict() passed in user_content keeps them"
+    )
+
+
 #: how a resume's error ends once its read began (it loads in place, as ``dcp.load`` does): a job that starts
 #: afresh after it must not train a model half loaded, half initialised
 LOADED_IN_PLACE = (

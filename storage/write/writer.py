@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
-from smpckpt.errors import CheckpointError, CheckpointExists, not_dense
+from smpckpt.errors import CheckpointError, CheckpointExists, not_dense, not_quantized
 from smpckpt.storage.backends._fs import FlatLayout, PrefixOption, PrefixStrategy, is_local, rank_cpus, resolve
 from smpckpt.storage.backends._sinks import Sink
 from smpckpt.storage.format._check_units import item_checks
@@ -490,6 +490,8 @@ def write_file(
                 raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(value).__name__}")
             elif value.layout is not torch.strided:
                 raise not_dense(item.index.fqn, value.layout, tuple(value.shape))
+            elif value.is_quantized:  # DCP's own planner: only the integers would be written
+                raise not_quantized(item.index.fqn, value.dtype, value.qscheme(), tuple(value.shape))
             elif raw:
                 descriptors = [RAW_DESCRIPTOR]
                 # units of its own, so a reshard reads (and verifies) only the slices it needs

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from smpckpt._checks import check_process_group
-from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_dense, not_quantized
+from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_plain
 from smpckpt.model.layout import RESERVED, KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 
@@ -251,12 +251,6 @@ def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
     return tied
 
 
-def _not_plain(key: str, value: torch.Tensor) -> SpecError:
-    if value.layout is not _STRIDED:
-        return not_dense(key, value.layout, tuple(value.shape))
-    return not_quantized(key, value.dtype, value.qscheme(), tuple(value.shape))
-
-
 class _EntryMaker:
     """What one rank's resolution shares between keys, with the geometry of each (specs, local shape)
     computed once: the layers of a model repeat a handful of shapes, and every rank does this each save."""
@@ -289,8 +283,8 @@ class _EntryMaker:
                 )
             if not isinstance(value, torch.Tensor):
                 return Entry(local_key, key, path, "object", value, rank_local=is_local)
-        if value.layout is not _STRIDED or value.is_quantized:  # strided too: its scale would be lost
-            raise _not_plain(key, value)
+        if value.layout is not _STRIDED or value.is_quantized or value.is_nested:  # the last two strided too
+            raise not_plain(key, value)
         matched = None if is_local else self.rules.match(key, self.prefixes)
         shape = value.shape  # read once: every branch below needs it
         if matched is not None:

@@ -11,11 +11,25 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
-from smpckpt.errors import LayoutMismatch
+from smpckpt.errors import LayoutMismatch, SpecError
 from smpckpt.model.layout import RESERVED
 from smpckpt.planners._entries import Entry
 
-__all__ = ["SharedMemoryLoads", "TiedLoads"]
+__all__ = ["SharedMemoryLoads", "TiedLoads", "check_destination"]
+
+
+def check_destination(key: str, value: torch.Tensor, stored: bool) -> None:
+    """A destination a load can fill: allocated, and (``stored``: the checkpoint holds its key, so it is
+    read) no two of its elements one memory location (an expanded view: torch refused the copy, naming no key)."""
+    if value.device.type == "meta":
+        raise SpecError(f"{key}: destination is on the meta device; allocate it before loading")
+    strides = value.stride()
+    if stored and 0 in strides and any(st == 0 and n > 1 for n, st in zip(value.shape, strides)):
+        raise SpecError(
+            f"{key}: the destination (shape {tuple(value.shape)}, strides {strides}) is an expanded view: "
+            "several of its elements are one memory location, which a load cannot give different values; load "
+            "into a tensor of its own (.clone(), or .contiguous()) and expand that"
+        )
 
 
 def _extent_end(v: torch.Tensor) -> int:

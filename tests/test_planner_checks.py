@@ -473,6 +473,11 @@ def test_quantized_tensors_are_refused_naming_the_key(tmp_path, key):
     assert "SpecError" in str(info.value)
     with pytest.raises(CheckpointNotFound):  # nothing committed
         FsspecStorageReader(tmp_path).read_metadata()
+    # our reader under DCP's own load planner (which checks no destination)
+    dcp.save({key: q.dequantize()}, storage_writer=FsspecStorageWriter(tmp_path / "f"), no_dist=True)
+    with pytest.raises(BaseException, match=said) as info:
+        dcp.load({key: _quantized()[key]}, storage_reader=FsspecStorageReader(tmp_path / "f"), no_dist=True)
+    assert "SpecError" in str(info.value)
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_channel")

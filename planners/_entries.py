@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from smpckpt._checks import check_process_group
-from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_dense
+from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_plain
 from smpckpt.model.layout import RESERVED, KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 from smpckpt.storage.format._safe_pickle import ViewFile, decode_object, encode_object
@@ -174,7 +174,8 @@ def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
     ``lm_head.weight`` to the input embedding): later key -> first key, in state-dict order. Tied means
     the same memory seen the same way (device, address, shape, strides, dtype) at the same place of the
     same global tensor; a DTensor ties by its local tensor under the same placements on the same mesh.
-    Only tensors with storage tie (meta, empty and Zero tensors all report address 0)."""
+    Only tensors with storage tie (meta, empty and Zero tensors all report address 0); a conjugate or
+    negated view (``c.conj()``, ``c.conj().imag``) shows other values than its memory's: never tied to it."""
     # Tied tensors share an address: only entries whose address another entry has too (few or none)
     # are compared in full; the usual untied state pays one ``data_ptr()`` per tensor.
     at: dict[int, Entry | list[Entry]] = {}
@@ -202,8 +203,8 @@ def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
         chunk = e.chunk
         if v.numel() == 0 or v.is_meta or chunk is None:
             continue
-        where: tuple[Any, ...] = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride())
-        where += (tuple(chunk.offsets), e.global_shape)
+        where: tuple[Any, ...] = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride(), v.is_conj())
+        where += (v.is_neg(), tuple(chunk.offsets), e.global_shape)
         if e.dtensor is not None:
             where += (tuple(e.dtensor.placements), id(e.dtensor.device_mesh))
         key = first.setdefault(where, e.key)
@@ -244,8 +245,8 @@ class _EntryMaker:
                 )
             if not isinstance(value, torch.Tensor):
                 return Entry(local_key, key, path, "object", value, rank_local=is_local)
-        if value.layout is not _STRIDED:
-            raise not_dense(key, value.layout, tuple(value.shape))
+        if value.layout is not _STRIDED or value.is_quantized or value.is_nested:  # the last two strided too
+            raise not_plain(key, value)
         matched = None if is_local else self.rules.match(key, self.prefixes)
         shape = value.shape  # read once: every branch below needs it
         if matched is not None:

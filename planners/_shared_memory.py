@@ -11,11 +11,25 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
-from smpckpt.errors import LayoutMismatch
+from smpckpt.errors import LayoutMismatch, SpecError
 from smpckpt.model.layout import RESERVED
 from smpckpt.planners._entries import Entry
 
-__all__ = ["SharedMemoryLoads", "TiedLoads"]
+__all__ = ["SharedMemoryLoads", "TiedLoads", "check_destination"]
+
+
+def check_destination(key: str, value: torch.Tensor, stored: bool) -> None:
+    """A destination a load can fill: allocated, and (``stored``: the checkpoint holds its key, so it is
+    read) no two of its elements one memory location (an expanded view: torch refused the copy, naming no key)."""
+    if value.device.type == "meta":
+        raise SpecError(f"{key}: destination is on the meta device; allocate it before loading")
+    strides = value.stride()
+    if stored and 0 in strides and any(st == 0 and n > 1 for n, st in zip(value.shape, strides)):
+        raise SpecError(
+            f"{key}: the destination (shape {tuple(value.shape)}, strides {strides}) is an expanded view: "
+            "several of its elements are one memory location, which a load cannot give different values; load "
+            "into a tensor of its own (.clone(), or .contiguous()) and expand that"
+        )
 
 
 def _extent_end(v: torch.Tensor) -> int:
@@ -386,7 +400,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit (a NaN equals itself, -0.0 is not +0.0): one tensor written twice is the same bytes."""
     if a.numel() != b.numel() or a.dtype != b.dtype:
         return False
-    a, b = a.reshape(-1), b.reshape(-1)
+    # the values a conjugate or negated view shows (a view as integers refuses the negative bit)
+    a, b = a.reshape(-1).resolve_conj().resolve_neg(), b.reshape(-1).resolve_conj().resolve_neg()
     if a.dtype.is_floating_point:
         as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         return bool(torch.equal(a.view(as_int), b.view(as_int)))

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 
 from smpckpt._gc import gc_paused
-from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, SpecError, UnsafeCheckpoint
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, UnsafeCheckpoint
 from smpckpt.model.layout import (
     RESERVED,
     KeyMapper,
@@ -62,7 +62,7 @@ from smpckpt.planners._entries import (
     tensor_as_number,
     tied_entries,
 )
-from smpckpt.planners._shared_memory import SharedMemoryLoads, TiedLoads
+from smpckpt.planners._shared_memory import SharedMemoryLoads, TiedLoads, check_destination
 from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
 
 __all__ = ["ParallelLoadPlanner", "LoadReport"]
@@ -157,8 +157,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             raise CheckpointCorrupt("the storage reader returned no checkpoint metadata")
         self.entries, _ = self._resolve(state_dict)
         for entry in self.entries.values():
-            if entry.kind != "object" and entry.value.device.type == "meta":
-                raise SpecError(f"{entry.key}: destination is on the meta device; allocate it before loading")
+            if entry.kind != "object":
+                check_destination(entry.key, entry.value, entry.key in metadata.state_dict_metadata)
         #: destination keys that are another key's tensor (loaded through that key)
         self.dest_tied = tied_entries(self.entries)
         self.state_dict = state_dict

@@ -7,7 +7,10 @@ translates it at its boundary and keeps the original as ``__cause__``.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 E = TypeVar("E", bound=BaseException)
 
@@ -64,6 +67,35 @@ def not_dense(key: str, layout: object, shape: tuple[int, ...]) -> SpecError:
     return SpecError(
         f"{key}: a {layout} tensor (shape {shape}) cannot be saved or loaded; only dense (strided) tensors can: "
         "store .to_dense(), or the sparse tensor's indices and values as two tensors"
+    )
+
+
+def not_plain(key: str, value: torch.Tensor) -> SpecError:
+    """The error for a tensor at ``key`` that is not a plain dense one (planners and writers alike raise it):
+    nested; quantized, whose integers alone would be saved and loaded into the destination's own scale and
+    zero-point (other values, silently); sparse or another layout (:func:`not_dense`)."""
+    if value.is_nested:
+        return SpecError(
+            f"{key}: a nested tensor ({value.layout}) cannot be saved or loaded; only dense (strided) tensors can: "
+            "store its .unbind() pieces as tensors of their own, or .to_padded_tensor() and the lengths"
+        )
+    if not value.is_quantized:
+        return not_dense(key, value.layout, tuple(value.shape))
+    return SpecError(
+        f"{key}: a quantized tensor ({value.dtype}, {value.qscheme()}, shape {tuple(value.shape)}) cannot be saved "
+        "or loaded: its scale and zero-point would not be restored (a load copies its integers into the "
+        "destination's own quantization); store .dequantize(), or .int_repr() and its q_scale() and q_zero_point() "
+        "(per channel: q_per_channel_scales(), q_per_channel_zero_points(), q_per_channel_axis()) as entries of "
+        "their own and quantize again after the load; a quantized model's state_dict() passed in user_content "
+        "keeps them"
+    )
+
+
+def no_data(key: str, value: torch.Tensor) -> SpecError:
+    """The error for a meta tensor at ``key`` reaching a writer: it has a shape and no values to write."""
+    return SpecError(
+        f"{key}: a meta tensor (shape {tuple(value.shape)}, {value.dtype}) has no data to save: materialise it "
+        "first (module.to_empty(device=...) and initialise it, or load it), or leave it out of the state"
     )
 
 

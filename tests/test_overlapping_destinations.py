@@ -46,6 +46,21 @@ _CASES: dict[str, tuple[dict[str, torch.Tensor], View]] = {
         {"a": torch.tensor([0.0, 1, 2, 3]), "b": torch.tensor([10.0, 11, 12, 13])},
         lambda base: {"a": base[0:4], "b": base.as_strided((4,), (2,), 0)},
     ),
+    # fix69d F4: a conjugate or negated view of one memory shows other values (it was taken as a tie of the
+    # plain view: a consistent checkpoint refused, an inconsistent one loaded silently)
+    "conjugate view": (
+        {"a": torch.tensor([1 + 2j, 3 - 4j, 5j, -6]), "b": torch.tensor([1 + 2j, 3 - 4j, 5j, -6])},
+        lambda base: {"a": base.view(torch.complex64), "b": base.view(torch.complex64).conj()},
+    ),
+    "negated view": (
+        {"a": torch.tensor([1.0, -2, 3, 4]), "b": torch.tensor([1.0, -2, 3, 4])},
+        lambda base: {"a": base.view(torch.complex64).imag, "b": base.view(torch.complex64).conj().imag},
+    ),
+    # (F5: comparing the bits of a negated view raised torch's "view is not supported ... negative bit")
+    "negated view overlapping": (
+        {"a": torch.tensor([1.0, -2, 3, 4]), "b": torch.tensor([1.0, -2])},
+        lambda base: {"a": base.view(torch.complex64).imag, "b": base.view(torch.complex64).conj().imag[1:3]},
+    ),
 }
 
 
@@ -124,3 +139,14 @@ def test_a_load_without_shared_memory_reads_straight_into_its_destinations(tmp_p
     assert planner._shared.dest == {}
     assert all(planner.entries[k].value is state[k] for k in state)
     assert all(torch.equal(state[k], saved[k]) for k in state)
+
+
+def test_an_expanded_destination_is_refused_naming_the_key_unless_nothing_is_read_into_it(tmp_path: Path) -> None:
+    """Several elements of an expanded view are one memory location: torch refused the copy, naming no key
+    (hunt69a F5). A key the checkpoint lacks (allow_partial_load) is not read: its expanded destination stays."""
+    _save(tmp_path / "c", {"a": torch.arange(8.0).view(2, 4)})
+    with pytest.raises(smpckpt.SpecError, match=r"a: the destination \(shape \(2, 4\), strides \(0, 1\)\) is an expan"):
+        _load(tmp_path / "c", {"a": torch.zeros(4)[None].expand(2, 4)})
+    kept = torch.ones(1).expand(3)
+    _load(tmp_path / "c", {"a": torch.zeros(2, 4), "b": kept}, allow_partial_load=True)
+    assert torch.equal(kept, torch.ones(3))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import re
 
 import pytest
 import torch
@@ -436,3 +437,96 @@ def test_likely_causes_fire_only_on_their_own_patterns() -> None:
     assert "LR scheduler" in likely_causes(["optim.param_groups.weight.initial_lr"], [])
     assert likely_causes(["optim.param_groups.0.lr"], ["optim.param_groups.0.lr"]) == ""
     assert "unflattened" in likely_causes([], ["optim.param_groups.0.params", "optim.param_groups.0.lr"])
+
+
+def _quantized() -> dict[str, torch.Tensor]:
+    values = torch.tensor([[1.0, 2.0, -3.0, 0.5], [0.25, -1.0, 0.0, 4.0]])
+    scales, zero_points = torch.tensor([0.5, 0.25]), torch.zeros(2, dtype=torch.long)
+    return {
+        "per_tensor": torch.quantize_per_tensor(values, 0.5, 3, torch.qint8),
+        "per_channel": torch.quantize_per_channel(values, scales, zero_points, 0, torch.quint8),
+        "packed": torch.quantize_per_tensor(values, 0.5, 1, torch.quint4x2),
+    }
+
+
+_QUANTIZED = r"{}: a quantized tensor \({}, {}, shape \(2, 4\)\) cannot be saved or loaded: its scale and zero-point"
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.parametrize("key", ["per_tensor", "per_channel", "packed"])
+def test_quantized_tensors_are_refused_naming_the_key(tmp_path, key):
+    """hunt69a F1: only a quantized tensor's integers were saved, and a load copied them into the destination's
+    own scale and zero-point (saved [1, 2, -3, 0.5] loaded as [1.4, 3.4, -6.6, 0.4]): refused by name, at the
+    save, at the load (a quantized destination), and by our writer under DCP's own planner, as sparse ones are."""
+    q = _quantized()[key]
+    said = _QUANTIZED.format(key, re.escape(str(q.dtype)), q.qscheme())
+    with pytest.raises(SpecError, match=said + r".*\.dequantize\(\)"):
+        save([{key: q, "b": torch.ones(4)}], ParallelLayout())
+    store, _ = save([{key: q.dequantize()}], ParallelLayout())
+    with pytest.raises(SpecError, match=said):
+        load([{key: _quantized()[key]}], ParallelLayout(), store)
+
+    from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+
+    with pytest.raises(BaseException, match=said) as info:
+        dcp.save({key: q}, storage_writer=FsspecStorageWriter(tmp_path), no_dist=True)
+    assert "SpecError" in str(info.value)
+    with pytest.raises(CheckpointNotFound):  # nothing committed
+        FsspecStorageReader(tmp_path).read_metadata()
+    # our reader under DCP's own load planner (which checks no destination)
+    dcp.save({key: q.dequantize()}, storage_writer=FsspecStorageWriter(tmp_path / "f"), no_dist=True)
+    with pytest.raises(BaseException, match=said) as info:
+        dcp.load({key: _quantized()[key]}, storage_reader=FsspecStorageReader(tmp_path / "f"), no_dist=True)
+    assert "SpecError" in str(info.value)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_channel")
+def test_a_quantized_model_is_refused_by_key_and_its_state_in_user_content_resumes_exactly(tmp_path):
+    """A converted quantized Conv2d (per-channel qint8 weight) resumed into a fresh one had other weights and
+    outputs, silently; refused naming the key, and its state_dict() in user_content comes back exact."""
+    import torch.ao.nn.quantized as nnq
+
+    import smpckpt
+
+    torch.manual_seed(0)
+    src = nnq.Conv2d(2, 3, 3)
+    scales, zero_points = torch.tensor([0.01, 0.02, 0.03]), torch.zeros(3, dtype=torch.long)
+    src.set_weight_bias(torch.quantize_per_channel(torch.randn(3, 2, 3, 3), scales, zero_points, 0, torch.qint8), None)
+    options = smpckpt.SaveOptions(save_rng=False)
+    with pytest.raises(SpecError, match=r"model\.weight: a quantized tensor \(torch\.qint8, torch\.per_channel_affine"):
+        smpckpt.save_checkpoint(str(tmp_path), "t", model=src, options=options)
+    smpckpt.save_checkpoint(str(tmp_path), "u", user_content={"conv": src.state_dict()}, options=options)
+    dst = nnq.Conv2d(2, 3, 3)
+    dst.load_state_dict(smpckpt.resume_from_checkpoint(str(tmp_path), "u")["conv"])
+    assert torch.equal(dst.weight().int_repr(), src.weight().int_repr())
+    assert torch.equal(dst.weight().q_per_channel_scales(), scales)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_tensors_are_refused_naming_the_key(layout):
+    """hunt69a F5: a (strided) nested tensor failed in torch's words, naming no key."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
+    said = rf"n: a nested tensor \({layout}\) cannot be saved or loaded.*\.unbind\(\)"
+    with pytest.raises(SpecError, match=said):
+        save([{"n": nested, "b": torch.ones(4)}], ParallelLayout())
+    store, _ = save([{"n": torch.ones(5)}], ParallelLayout())
+    with pytest.raises(SpecError, match=said):
+        load([{"n": nested}], ParallelLayout(), store)
+
+
+@pytest.mark.parametrize("how", ["ours", "full", "full under DCP's planner"])
+def test_a_meta_tensor_reaching_a_writer_is_refused_naming_the_key(tmp_path, how):
+    """Planners plan meta tensors (the planning benchmarks do); a writer given one failed in torch's words
+    ("Cannot copy out of meta tensor"), naming no key (hunt69a F5)."""
+    from smpckpt.storage import FsspecStorageWriter, FullArtifactWriter, FullOptions
+
+    state = {"ok": torch.ones(2), "m": torch.empty(3, 2, device="meta")}
+    if how == "ours":
+        writer = FsspecStorageWriter(tmp_path)
+    else:
+        writer = FullArtifactWriter(str(tmp_path / "f"), full=FullOptions(format="torch_save"))
+    planner = ParallelSavePlanner(ParallelLayout()) if how != "full under DCP's planner" else None
+    with pytest.raises(BaseException, match=r"m: a meta tensor \(shape \(3, 2\), torch\.float32\) has no data") as info:
+        dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+    assert "SpecError" in str(info.value)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from sim import sim_load, sim_save
 
 from smpckpt import ParallelLayout, ShardSpec
-from smpckpt.errors import ReplicaMismatch
+from smpckpt.errors import ReplicaMismatch, SpecError
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.planners._replica_values import SAMPLES, value_digests
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
@@ -356,17 +356,21 @@ def test_strided_tensors_of_dtypes_take_has_no_kernel_for_digest_as_contiguous_o
 def test_replicated_complex32_is_checked_and_undigestable_dtypes_are_refused_by_key(tmp_path: Path) -> None:
     """complex32 has no ``torch.take`` kernel: a replicated one failed every save with the check on, with
     torch's bare error; now it is sampled through its bits (a drift is still caught). A dtype the check
-    cannot sample at all (quantized) is refused naming its key and the way out."""
+    cannot sample at all (packed float4) is refused naming its key and the way out."""
     c = torch.randn(40, 40, dtype=torch.complex64).to(torch.complex32)
     _save(tmp_path / "same", [{"model": {"c": c.clone()}} for _ in range(2)], ParallelLayout(dp=2))
     drifted = c.clone()
     drifted.view(torch.int32).add_(1)
     with pytest.raises(ReplicaMismatch, match=r"'model\.c'"):
         _save(tmp_path / "drift", [{"model": {"c": c}}, {"model": {"c": drifted}}], ParallelLayout(dp=2))
-    q = torch.quantize_per_tensor(torch.randn(40, 40), 0.1, 0, torch.quint8)
+    q = torch.zeros(40, 40, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)  # packed: two values a byte
     with pytest.raises(
-        TypeError, match=r"model\.q: the replica value check cannot sample a torch\.quint8.*verify_replicas=False"
+        TypeError, match=r"model\.q: the replica value check cannot sample a torch\.float4_e2m1fn_x2.*verify_replicas="
     ):
+        _save(tmp_path / "q", [{"model": {"q": q.clone(), "w": torch.ones(3)}} for _ in range(2)], ParallelLayout(dp=2))
+    # a quantized one is refused before the check (its scale would not be saved: tests/test_planner_checks.py)
+    q = torch.quantize_per_tensor(torch.randn(40, 40), 0.1, 0, torch.quint8)
+    with pytest.raises(SpecError, match=r"model\.q: a quantized tensor \(torch\.quint8"):
         _save(tmp_path / "q", [{"model": {"q": q.clone(), "w": torch.ones(3)}} for _ in range(2)], ParallelLayout(dp=2))
 
 

@@ -55,6 +55,11 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
+def _bits(t: torch.Tensor) -> tuple[bool, bool]:
+    """The conjugate and negative bits: a view with either shows values its memory does not hold."""
+    return t.is_conj(), t.is_neg()
+
+
 def owned_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple[str, int]]:
     """The storages the optimizers' ``step`` writes: their parameters' and their state tensors'."""
     out = set()
@@ -245,14 +250,15 @@ class Stager:
             local = getattr(t, "_local_tensor", None)
             if local is None or not local.numel():
                 return t.clone()
-            placed = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride())
+            placed = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride(), _bits(local))
             twin = (placed, tuple(t.shape), tuple(getattr(t, "placements", ())), id(getattr(t, "device_mesh", None)))
             if twin not in seen:
                 seen[twin] = t.clone()
             return seen[twin]
         # one tensor under two keys (a head tied to its embedding) stays one buffer: the save planner
-        # writes a tie once and records it, as a synchronous save of the same state does
-        where = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
+        # writes a tie once and records it, as a synchronous save of the same state does; a conjugate or
+        # negated view of it shows other values: a buffer of its own (the planner does not tie it either)
+        where = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), _bits(t)) if t.numel() else None
         if where is not None and where in seen:
             return seen[where]
         cuda = t.device.type == "cuda"

@@ -583,10 +583,11 @@ def aside(model_sd: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _where(value: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
-    """(storage, address, shape, strides) of a tensor's local memory."""
+def _where(value: torch.Tensor) -> tuple[Any, ...]:
+    """Where a tensor's local memory is and how it is seen: another dtype, conj or neg view is another tensor."""
     local = value.to_local() if isinstance(value, DTensor) else value
-    return local.untyped_storage().data_ptr(), local.data_ptr(), tuple(local.shape), local.stride()
+    at = local.untyped_storage().data_ptr(), local.data_ptr(), tuple(local.shape), local.stride()
+    return (*at, local.dtype, local.is_conj(), local.is_neg())
 
 
 def _check_translation(fn: Any, prefix: str = "") -> None:

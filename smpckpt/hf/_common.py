@@ -75,7 +75,8 @@ def _tied(head: torch.Tensor, embed: torch.Tensor) -> bool:
         return head is embed
     same_memory = (
         head.device == embed.device and head.data_ptr() == embed.data_ptr() and head.stride() == embed.stride()
-    )
+    )  # a conjugate or negated view of the memory shows other values: the values tell
+    same_memory = same_memory and (head.is_conj(), head.is_neg()) == (embed.is_conj(), embed.is_neg())
     return same_memory or bool(torch.equal(head, embed))
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
+from smpckpt.errors import no_data, not_plain
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._sinks import Sink, write_back
 from smpckpt.storage.format._check_units import ItemChecks, item_checks
@@ -69,6 +70,10 @@ def chunk_of(planner: SavePlanner, item: WriteItem, *, cpu: bool = True) -> torc
     tensor = planner.resolve_data(item)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{item.index.fqn!r}: expected a tensor, the planner gave {type(tensor).__name__}")
+    if tensor.layout is not torch.strided or tensor.is_quantized or tensor.is_nested:  # DCP's own planner
+        raise not_plain(item.index.fqn, tensor)
+    if tensor.is_meta:
+        raise no_data(item.index.fqn, tensor)
     chunk = tensor.detach().cpu() if cpu else tensor.detach()
     td = item.tensor_data
     return chunk.reshape(tuple(td.chunk.sizes)) if td is not None else chunk

@@ -30,7 +30,7 @@ from torch.futures import Future
 
 from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
-from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, not_plain
 from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import (
     FsspecLocation,
@@ -445,6 +445,8 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         then read, verify and deliver them; buffers live only for this call."""
         if self._full_only and self.source is None:
             raise CheckpointError("read_data() called before read_metadata()")
+        if not hasattr(planner, "loads_weights_only"):  # DCP's own planner: it checks no destination
+            _refuse_destinations_not_plain(plan, planner)
         local = is_local(self.fs)
         if self.source is not None:
             source = self.source
@@ -525,3 +527,16 @@ def _release_frames(exc: BaseException) -> None:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)  # skips frames still running (the caller's)
         todo += [e.__cause__, e.__context__]
+
+
+def _refuse_destinations_not_plain(plan: LoadPlan, planner: LoadPlanner) -> None:
+    """(a planner that is not ours) A quantized, nested or sparse destination, refused by key as ours refuses
+    it: a copy into a quantized one keeps its own scale and zero-point (other values, silently)."""
+    state = getattr(planner, "state_dict", None)  # DefaultLoadPlanner's (flattened); read, not resolved twice
+    if not isinstance(state, Mapping):
+        return
+    for req in plan.items:
+        if req.type == LoadItemType.TENSOR:
+            t = state.get(req.dest_index.fqn)
+            if isinstance(t, torch.Tensor) and (t.layout is not torch.strided or t.is_quantized or t.is_nested):
+                raise not_plain(req.dest_index.fqn, t)

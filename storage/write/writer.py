@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
-from smpckpt.errors import CheckpointError, CheckpointExists, not_dense
+from smpckpt.errors import CheckpointError, CheckpointExists, no_data, not_plain
 from smpckpt.storage.backends._fs import FlatLayout, PrefixOption, PrefixStrategy, is_local, rank_cpus, resolve
 from smpckpt.storage.backends._sinks import Sink
 from smpckpt.storage.format._check_units import item_checks
@@ -488,8 +488,10 @@ def write_file(
                 stream.put(mv, None)
             elif not isinstance(value, torch.Tensor):
                 raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(value).__name__}")
-            elif value.layout is not torch.strided:
-                raise not_dense(item.index.fqn, value.layout, tuple(value.shape))
+            elif value.layout is not torch.strided or value.is_quantized or value.is_nested:  # DCP's own planner
+                raise not_plain(item.index.fqn, value)
+            elif value.is_meta:
+                raise no_data(item.index.fqn, value)
             elif raw:
                 descriptors = [RAW_DESCRIPTOR]
                 # units of its own, so a reshard reads (and verifies) only the slices it needs

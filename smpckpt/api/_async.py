@@ -249,6 +249,18 @@ def drain_status() -> DrainStatus | None:
     return DrainStatus.of(max(drains, key=lambda lane: lane.submitted)) if drains else None
 
 
+def job_timeout(process_group: Any) -> datetime.timedelta | None:
+    """The timeout ``process_group`` (``None``: the default group) was made with, the shortest of its
+    backends'; ``None`` (torch's default) where torch does not tell: its backends' options are private API."""
+    try:
+        pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        found = [pg._get_backend(device).options._timeout for device in pg._device_types]
+    except Exception:  # noqa: BLE001 - another torch, or a backend without options: torch's default then
+        return None
+    found = [t for t in found if isinstance(t, datetime.timedelta) and t > datetime.timedelta(0)]
+    return min(found) if found else None
+
+
 class GlooGroups:
     """A Checkpointer's gloo groups, one per purpose (``"save"``: background saves and the fast tier's
     agreements; ``"drain"``; further transfer streams), each created collectively when first needed."""
@@ -270,14 +282,16 @@ class GlooGroups:
 
     def get(self, ctx: DistContext, purpose: str = "save", timeout: float | None = None) -> Any:
         """(all ranks, collectively the first time) The group for ``purpose`` (``None``: no process group),
-        made with ``timeout`` seconds (``None``: the default)."""
+        made with ``timeout`` seconds (``None``: the job group's own, :func:`job_timeout`)."""
         if not ctx.active or ctx.world_size == 1:
             return None
         group = self._groups.get(purpose)
         if group is None:
             pg = self.process_group
             ranks = dist.get_process_group_ranks(pg) if pg is not None else None
-            wait = datetime.timedelta(seconds=timeout) if timeout is not None else None
+            # the job's own timeout, not torch's 30-minute default: a background collective with a hung peer
+            # (a frozen or vanished node) fails within it, and the exit wait for it ends (hunt69b F1)
+            wait = datetime.timedelta(seconds=timeout) if timeout is not None else job_timeout(pg)
             group = dist.new_group(
                 ranks=ranks, backend="gloo", timeout=wait, use_local_synchronization=ranks is not None
             )
@@ -348,11 +362,22 @@ class GlooGroups:
         groups, self._groups = list(self._groups.values()), {}
         if self.out_of_step or self.bound is not None:
             return
+        met = True
         for group in groups:
-            if dist.is_available() and dist.is_initialized():
-                with contextlib.suppress(Exception):  # a group torn down with the job's already
+            if not (dist.is_available() and dist.is_initialized()):
+                return
+            if met:
+                try:  # bounded by the group's timeout, the job's (a peer whose with block raised never comes)
                     dist.barrier(group=group)
-                    dist.destroy_process_group(group)
+                except Exception as exc:  # noqa: BLE001 - a group torn down with the job's, or a peer not coming
+                    met = False  # no more barriers: each would wait the whole timeout again (hunt69b F1b)
+                    log.warning(
+                        "close(): not every rank came to tear down this Checkpointer's background groups "
+                        "(one whose with block raised, or that died): left them without waiting (%s)",
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                    )
+            with contextlib.suppress(Exception):  # a group torn down with the job's already
+                dist.destroy_process_group(group)
 
 
 class ExitRecorder:
@@ -389,7 +414,7 @@ def _wait_at_exit(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
     save, drain = lanes
     for lane in lanes:
         if lane.running:
-            log.info("waiting for %s of %r before exiting", lane.what, lane.tag)
+            log.warning("waiting for %s of %r before exiting", lane.what, lane.tag)
     try:
         wait_lanes(save, drain, raise_errors=True)
     except CheckpointError as exc:

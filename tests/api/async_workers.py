@@ -3,6 +3,7 @@ keep running collectives on the default group while a save is in flight."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -298,3 +299,69 @@ def tied_dtensor_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "still_tied": back.head.weight is back.embed.weight,
         }
     return out
+
+
+def _hold_until(flag: str) -> None:
+    """Stand for a rank frozen (SIGSTOP, a vanished node) until ``flag`` exists (at most 120 s)."""
+    deadline = time.monotonic() + 120
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def peer_hung_in_background_save(rank: int, world: int, root: str, flag: str) -> dict[str, Any]:
+    """hunt69b F1: rank 1 hangs inside its background write of ``b``; rank 0's future must fail within about
+    the job's own process-group timeout (the harness's ``pg_timeout``), naming its rank and the tag."""
+    import concurrent.futures
+
+    import smpckpt.api.checkpointer as ck
+
+    m = model(0)
+    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    ckpt.save("a", m).result()  # type: ignore[union-attr]
+    real = ck.write_checkpoint
+
+    def hung(*args: Any) -> None:
+        if rank == 1:
+            _hold_until(flag)
+            raise RuntimeError("rank 1 was held (the test's hang)")
+        real(*args)
+
+    ck.write_checkpoint = hung  # type: ignore[assignment]
+    fut = ckpt.save("b", m)
+    said = "no error"
+    if rank == 0:
+        try:
+            fut.result(timeout=60)  # type: ignore[union-attr]
+        except concurrent.futures.TimeoutError:
+            said = "still pending after 60 s"
+        except BaseException as exc:  # noqa: BLE001 - reported
+            said = f"{type(exc).__name__}: {exc}"
+        with open(flag, "w") as f:
+            f.write("done")
+    else:
+        _hold_until(flag)
+    if said == "still pending after 60 s":  # raised: the harness skips the teardown, which would wait on it
+        raise AssertionError("rank 0's background save of 'b' still pending 60 s after the job's 5 s timeout")
+    with contextlib.suppress(Exception):
+        ckpt.wait()
+    return {"said": said}
+
+
+def peer_never_closes(rank: int, world: int, root: str, flag: str) -> dict[str, Any]:
+    """hunt69b F1b: rank 1's ``with Checkpointer`` body raises and it lingers; rank 0's with block ends
+    normally: its close() must not wait at the groups' teardown longer than the job's timeout."""
+    m = model(0)
+    said = "no error"
+    try:
+        with smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True)) as ckpt:
+            ckpt.save("b", m)
+            if rank == 1:
+                raise ValueError("rank 1's loop failed")
+        said = "closed"
+    except ValueError as exc:
+        said = str(exc)
+        _hold_until(flag)  # lingers (log upload, an in-process retry), its groups never torn down
+    if rank == 0:
+        with open(flag, "w") as f:
+            f.write("done")
+    return {"said": said, "newest": open(os.path.join(root, "newest")).read().strip()}

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from async_workers import model, training_loop_while_saving
+from async_workers import model, peer_hung_in_background_save, peer_never_closes, training_loop_while_saving
 from dist_harness import run_world
 
 import smpckpt
@@ -396,3 +396,27 @@ def test_dcp_async_save_process_mode_with_our_planner_and_writer(tmp_path: Any) 
     from async_workers import dcp_process_mode
 
     assert run_world(dcp_process_mode, 2, str(tmp_path), timeout=180) == [True, True]
+
+
+def test_a_background_save_with_a_hung_peer_fails_within_the_jobs_timeout(tmp_path: Any) -> None:
+    """hunt69b F1: the background gloo groups were made with torch's 30-minute default, not the job's own
+    ``init_process_group(timeout=)``: with rank 1 hung in its background write, rank 0's future was still
+    pending after 60 s at a 10 s job timeout (its exit wait, for 30 minutes). Now it fails within about the
+    job's 5 s, naming the rank and the tag; nothing committed is lost."""
+    root, flag = str(tmp_path / "ckpt"), str(tmp_path / "flag")
+    got = run_world(peer_hung_in_background_save, 2, root, flag, timeout=150, pg_timeout=5)
+    said = got[0]["said"]
+    assert said.startswith("CheckpointError: rank 0 of 2: saving checkpoint 'b'"), said
+    assert "in the background" in said and "Timed out" in said, said
+    assert open(os.path.join(root, "newest")).read().strip() == "a"
+    _loads(root, None, _state(model(0)))
+
+
+def test_close_does_not_wait_past_the_jobs_timeout_for_a_peer_whose_with_block_raised(tmp_path: Any) -> None:
+    """hunt69b F1b: rank 0's close() waited at the teardown barrier of the background groups for as long
+    as a peer whose ``with Checkpointer`` body raised stayed alive (torch's 30 minutes at most); now the
+    barrier gives up after the job's own timeout (5 s here) and close() returns."""
+    root, flag = str(tmp_path / "ckpt"), str(tmp_path / "flag")
+    got = run_world(peer_never_closes, 2, root, flag, timeout=60, pg_timeout=5)
+    assert [g["said"] for g in got] == ["closed", "rank 1's loop failed"], got
+    assert [g["newest"] for g in got] == ["b", "b"], got  # the save before the failure committed on both

@@ -216,11 +216,42 @@ def fails_while_saving(root: str, status: str, exit_code: str = "") -> None:
         sys.exit(int(exit_code))
 
 
+def returns_with_a_hung_peer(root: str, rank: str, init: str, flag: str) -> None:
+    """hunt69b F1, F5 (a fresh interpreter per rank): rank 1 hangs in its background write of ``b``; rank 0's
+    main returns, and its exit wait must end within about the job's 5 s timeout, logged at WARNING."""
+    import datetime
+
+    import smpckpt.api.checkpointer as ck
+
+    me = int(rank)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=me, world_size=2, timeout=datetime.timedelta(seconds=5)
+    )
+    m = model(0)
+    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    ckpt.save("a", m).result()  # type: ignore[union-attr]
+    real = ck.write_checkpoint
+
+    def hung(*args: Any) -> None:
+        if me == 1:  # stands for a stopped process or a vanished node, until the test says (at most 120 s)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise RuntimeError("rank 1 was held (the test's hang)")
+        real(*args)
+
+    ck.write_checkpoint = hung  # type: ignore[assignment]
+    ckpt.save("b", m)
+    print("main returned", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "returns-while-saving":
         returns_while_saving(sys.argv[2])
     elif sys.argv[1] == "fails-while-saving":
         fails_while_saving(*sys.argv[2:5])
+    elif sys.argv[1] == "returns-with-a-hung-peer":
+        returns_with_a_hung_peer(*sys.argv[2:6])
     else:
         killed_during_background_write(sys.argv[1], sys.argv[2])
 

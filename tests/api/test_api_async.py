@@ -420,3 +420,34 @@ def test_close_does_not_wait_past_the_jobs_timeout_for_a_peer_whose_with_block_r
     got = run_world(peer_never_closes, 2, root, flag, timeout=60, pg_timeout=5)
     assert [g["said"] for g in got] == ["closed", "rank 1's loop failed"], got
     assert [g["newest"] for g in got] == ["b", "b"], got  # the save before the failure committed on both
+
+
+def test_the_exit_wait_for_a_save_with_a_hung_peer_ends_within_the_jobs_timeout(tmp_path: Any) -> None:
+    """hunt69b F1, F5: rank 0's main returned with its async save in flight and rank 1 hung in its write: the
+    exit waited silently (the "waiting ... before exiting" line was INFO) for torch's 30 minutes, past a 10 s
+    job timeout. Now it says so at WARNING, fails within about the job's 5 s naming the rank and the tag, and
+    exits 1; ``a`` stays newest."""
+    root, init, flag = str(tmp_path / "ckpt"), str(tmp_path / "init"), str(tmp_path / "flag")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)]), "OMP_NUM_THREADS": "1"}
+    worker = [sys.executable, os.path.join(HERE, "async_workers.py"), "returns-with-a-hung-peer", root]
+    ranks = [
+        subprocess.Popen(
+            [*worker, str(r), init, flag], cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for r in range(2)
+    ]
+    try:
+        out, err = ranks[0].communicate(timeout=90)
+    finally:
+        open(flag, "w").close()  # rank 1 is let go either way
+        for proc in ranks:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    text = err.decode()
+    assert ranks[0].returncode == 1 and "main returned" in out.decode(), text[-3000:]
+    assert "waiting for the background save of 'b' before exiting" in text, text[-3000:]
+    assert "background save of checkpoint 'b' failed" in text and "rank 0 of 2" in text, text[-3000:]
+    assert open(os.path.join(root, "newest")).read().strip() == "a"

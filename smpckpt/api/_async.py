@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import torch.distributed as dist
@@ -261,6 +261,33 @@ def job_timeout(process_group: Any) -> datetime.timedelta | None:
     return min(found) if found else None
 
 
+def group_alive(group: Any) -> bool:
+    """Whether torch still knows ``group`` (not destroyed with its job's by ``destroy_process_group()``)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - torch: KeyError (or ValueError) for a group it no longer knows
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def group_kept(group: Any, what: str) -> Iterator[None]:
+    """(background work over ``group``) A failure once the process group was destroyed under it names that
+    cause: it came out as "dcp.save's world has 1 ranks but the layout ... describes 2" (hunt69b F2)."""
+    try:
+        yield
+    except BaseException as exc:
+        if group is None or group_alive(group):
+            raise
+        raise CheckpointError(
+            f"{what} failed: the process group was destroyed (destroy_process_group()) while it ran: call wait() "
+            "(or close(), smpckpt.wait_for_saves()) on every rank before destroy_process_group(); what was "
+            f"committed before is intact ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from exc
+
+
 class GlooGroups:
     """A Checkpointer's gloo groups, one per purpose (``"save"``: background saves and the fast tier's
     agreements; ``"drain"``; further transfer streams), each created collectively when first needed."""
@@ -286,6 +313,7 @@ class GlooGroups:
         if not ctx.active or ctx.world_size == 1:
             return None
         group = self._groups.get(purpose)
+        self.refuse_stale(ctx)
         if group is None:
             pg = self.process_group
             ranks = dist.get_process_group_ranks(pg) if pg is not None else None
@@ -299,6 +327,22 @@ class GlooGroups:
             self.bound = timeout if purpose == "join" else self.bound
         return group
 
+    kept = staticmethod(group_kept)
+
+    def stale(self) -> bool:
+        """Whether its groups died with a process group destroyed since (``destroy_process_group()``)."""
+        return any(not group_alive(group) for group in self._groups.values())
+
+    def refuse_stale(self, ctx: DistContext) -> None:
+        """Refuse, by name, to use groups of a process group destroyed since: torch said only "Group ... is not
+        registered", and an in-process restart's every save failed so (hunt69b F3)."""
+        if ctx.active and self.stale():
+            raise CheckpointError(
+                f"rank {ctx.rank} of {ctx.world_size}: this Checkpointer's background gloo groups belong to a "
+                "process group destroyed since it was built (destroy_process_group()): build a new Checkpointer "
+                "after init_process_group(). Nothing was written; what was committed before is intact"
+            )
+
     def join(self, ctx: DistContext, timeout: float | None, action: str) -> None:
         """(all ranks, a save's first step) Every rank enters within ``timeout`` seconds (``None``: unchecked),
         met on a gloo barrier of its own that tells rank 0 who is missing: met on the caller's group, a save
@@ -307,6 +351,7 @@ class GlooGroups:
         (every rank in step, :meth:`Checkpointer._agreed`), so the first call has none: it meets there."""
         if self.out_of_step:
             raise CheckpointError(f"rank {ctx.rank} of {ctx.world_size}: {action}: refused: {self.out_of_step}")
+        self.refuse_stale(ctx)
         group = self._groups.get("join")
         if timeout is None or group is None:
             return

@@ -396,3 +396,58 @@ def peer_never_closes(rank: int, world: int, root: str, flag: str) -> dict[str, 
         with open(flag, "w") as f:
             f.write("done")
     return {"said": said, "newest": open(os.path.join(root, "newest")).read().strip()}
+
+
+def destroyed_under_a_background_save(rank: int, world: int, root: str) -> dict[str, Any]:
+    """hunt69b F2: an async save in flight, then ``destroy_process_group()`` without ``wait()``: what its future
+    raises (it said "dcp.save's world has 1 ranks but the layout ... describes 2")."""
+    import smpckpt.api.checkpointer as ck
+
+    m = model(0)
+    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    ckpt.save("a", m).result()  # type: ignore[union-attr]
+    real, release = ck.write_checkpoint, threading.Event()
+
+    def held(*args: Any) -> None:
+        release.wait(60)  # until the group is gone
+        real(*args)
+
+    ck.write_checkpoint = held  # type: ignore[assignment]
+    fut = ckpt.save("b", m)
+    dist.destroy_process_group()
+    release.set()
+    try:
+        fut.result(timeout=60)  # type: ignore[union-attr]
+        said = "no error"
+    except BaseException as exc:  # noqa: BLE001 - reported
+        said = f"{type(exc).__name__}: {exc}"
+    with contextlib.suppress(Exception):
+        ckpt.wait()
+    return {"said": said, "newest": open(os.path.join(root, "newest")).read().strip()}
+
+
+def reused_after_the_group_was_made_again(rank: int, world: int, root: str, init: str) -> dict[str, Any]:
+    """hunt69b F3: an in-process restart (destroy_process_group(), init_process_group() again) with the same
+    Checkpointer: its save is refused by name; a new Checkpointer, and the smp face's kept one, save on."""
+    import datetime
+
+    m = model(0)
+    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    ckpt.save("a", m).result()  # type: ignore[union-attr]
+    smpckpt.save_checkpoint(root + "-smp", "a", model=m, async_save=True).result()  # type: ignore[union-attr]
+    smpckpt.wait_for_saves()
+    dist.destroy_process_group()
+    timeout = datetime.timedelta(seconds=30)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timeout)
+    try:
+        ckpt.save("b", m)
+        said = "no error"
+    except BaseException as exc:  # noqa: BLE001 - reported
+        said = f"{type(exc).__name__}: {exc}"
+    fresh = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    fresh.save("c", m).result()  # type: ignore[union-attr]
+    fresh.close()
+    smpckpt.save_checkpoint(root + "-smp", "b", model=m, async_save=True).result()  # type: ignore[union-attr]
+    smpckpt.wait_for_saves()
+    newest = [open(os.path.join(r, "newest")).read().strip() for r in (root, root + "-smp")]
+    return {"said": said, "newest": newest}

@@ -12,7 +12,14 @@ from typing import Any
 
 import pytest
 import torch
-from async_workers import model, peer_hung_in_background_save, peer_never_closes, training_loop_while_saving
+from async_workers import (
+    destroyed_under_a_background_save,
+    model,
+    peer_hung_in_background_save,
+    peer_never_closes,
+    reused_after_the_group_was_made_again,
+    training_loop_while_saving,
+)
 from dist_harness import run_world
 
 import smpckpt
@@ -451,3 +458,25 @@ def test_the_exit_wait_for_a_save_with_a_hung_peer_ends_within_the_jobs_timeout(
     assert "waiting for the background save of 'b' before exiting" in text, text[-3000:]
     assert "background save of checkpoint 'b' failed" in text and "rank 0 of 2" in text, text[-3000:]
     assert open(os.path.join(root, "newest")).read().strip() == "a"
+
+
+def test_a_background_save_whose_process_group_was_destroyed_says_so(tmp_path: Any) -> None:
+    """hunt69b F2: destroy_process_group() with an async save in flight (no wait()) failed it with "dcp.save's
+    world has 1 ranks but the layout ... describes 2"; the error now names the destroyed group and the fix."""
+    root = str(tmp_path / "ckpt")
+    for got in run_world(destroyed_under_a_background_save, 2, root, timeout=120):
+        assert got["said"].startswith("CheckpointError: saving checkpoint 'b'"), got
+        assert "the process group was destroyed (destroy_process_group()) while it ran" in got["said"], got
+        assert "before destroy_process_group()" in got["said"] and got["newest"] == "a", got
+
+
+def test_a_checkpointer_reused_after_its_process_group_was_made_again_says_build_a_new_one(tmp_path: Any) -> None:
+    """hunt69b F3: after destroy_process_group() and init_process_group() again, the same Checkpointer's saves
+    failed with torch's "Group ... is not registered"; now refused by name (build a new Checkpointer), while a
+    new one, and the smp face (which builds one itself), save on."""
+    root, init = str(tmp_path / "ckpt"), str(tmp_path / "init2")
+    for got in run_world(reused_after_the_group_was_made_again, 2, root, init, timeout=120):
+        assert got["said"].startswith("CheckpointError: rank "), got
+        assert "process group destroyed since it was built" in got["said"], got
+        assert "build a new Checkpointer after init_process_group()" in got["said"], got
+        assert got["newest"] == ["c", "b"], got

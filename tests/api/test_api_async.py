@@ -415,6 +415,7 @@ def test_a_background_save_with_a_hung_peer_fails_within_the_jobs_timeout(tmp_pa
     said = got[0]["said"]
     assert said.startswith("CheckpointError: rank 0 of 2: saving checkpoint 'b'"), said
     assert "in the background" in said and "Timed out" in said, said
+    assert "did not answer within the group's timeout" in said, said
     assert open(os.path.join(root, "newest")).read().strip() == "a"
     _loads(root, None, _state(model(0)))
 

@@ -615,4 +615,5 @@ def test_a_tiered_save_with_a_hung_peer_fails_within_the_jobs_timeout(tmp_path: 
     )
     said = got[0]["said"]
     assert said.startswith("CheckpointError: rank 0 of 2: saving checkpoint 'b'") and "Timed out" in said, said
+    assert "did not answer within the group's timeout" in said, said
     assert (tmp_path / "durable" / "newest").read_text().strip() == "a"

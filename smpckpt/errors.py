@@ -110,14 +110,10 @@ LOADED_IN_PLACE = (
 def loaded_in_place(exc: E, loaded: bool) -> E:
     """``exc``, saying once (``loaded``) that the model holds the checkpoint's values: the package's errors and
     torch's end their message (one string) with :data:`LOADED_IN_PLACE`; another Exception (a user callback's,
-    whose ``args`` callers may read) gets it as a note; a Ctrl-C or ``SystemExit`` passes as it came."""
+    whose ``args`` callers may read) gets it as a note, and so does a Ctrl-C (``KeyboardInterrupt``, its type kept):
+    without it a resume interrupted part-way left a half-loaded model silently, and the next save committed it."""
     note = LOADED_IN_PLACE[2:]
-    if (
-        not loaded
-        or not isinstance(exc, Exception)
-        or LOADED_IN_PLACE in str(exc)
-        or note in getattr(exc, "__notes__", ())
-    ):
+    if not loaded or LOADED_IN_PLACE in str(exc) or note in getattr(exc, "__notes__", ()):
         return exc
     if (
         isinstance(exc, (CheckpointError, RuntimeError, TypeError))

@@ -70,8 +70,17 @@ def _teardown() -> None:
 
 
 def _entry(
-    rank: int, world_size: int, init_file: str, out_dir: str, env: dict[str, str], fn: Callable[..., Any], args: tuple
+    rank: int,
+    world_size: int,
+    init_file: str,
+    out_dir: str,
+    env: dict[str, str],
+    fn: Callable[..., Any],
+    args: tuple,
+    pg_timeout: float | None = None,
 ) -> None:
+    import datetime
+
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -88,6 +97,7 @@ def _entry(
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout) if pg_timeout is not None else None,
         )
         result = ("ok", fn(rank, world_size, *args))
         _teardown()
@@ -102,8 +112,11 @@ def _entry(
     os._exit(0)
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
+def run_world(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0, pg_timeout: float | None = None
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return their results.
+    ``pg_timeout``: the default group's timeout in seconds (``None``: torch's default).
 
     ``fn`` must be importable (a module-level function). Raises :class:`RankFailed` naming every rank
     that raised or did not finish within ``timeout`` seconds.
@@ -114,7 +127,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         init_file = os.path.join(tmp, "rendezvous")
         ctx = mp.start_processes(
             _entry,
-            args=(world_size, init_file, tmp, dict(os.environ), fn, args),
+            args=(world_size, init_file, tmp, dict(os.environ), fn, args, pg_timeout),
             nprocs=world_size,
             join=False,
             start_method="forkserver",

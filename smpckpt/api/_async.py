@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import torch.distributed as dist
@@ -269,6 +269,45 @@ def drain_status() -> DrainStatus | None:
     return DrainStatus.of(max(drains, key=lambda lane: lane.submitted)) if drains else None
 
 
+def job_timeout(process_group: Any) -> datetime.timedelta | None:
+    """The timeout ``process_group`` (``None``: the default group) was made with, the shortest of its
+    backends'; ``None`` (torch's default) where torch does not tell: its backends' options are private API."""
+    try:
+        pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        found = [pg._get_backend(device).options._timeout for device in pg._device_types]
+    except Exception:  # noqa: BLE001 - another torch, or a backend without options: torch's default then
+        return None
+    found = [t for t in found if isinstance(t, datetime.timedelta) and t > datetime.timedelta(0)]
+    return min(found) if found else None
+
+
+def group_alive(group: Any) -> bool:
+    """Whether torch still knows ``group`` (not destroyed with its job's by ``destroy_process_group()``)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - torch: KeyError (or ValueError) for a group it no longer knows
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def group_kept(group: Any, what: str) -> Iterator[None]:
+    """(background work over ``group``) A failure once the process group was destroyed under it names that
+    cause: it came out as "dcp.save's world has 1 ranks but the layout ... describes 2" (hunt69b F2)."""
+    try:
+        yield
+    except BaseException as exc:
+        if group is None or group_alive(group):
+            raise
+        raise CheckpointError(
+            f"{what} failed: the process group was destroyed (destroy_process_group()) while it ran: call wait() "
+            "(or close(), smpckpt.wait_for_saves()) on every rank before destroy_process_group(); what was "
+            f"committed before is intact ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from exc
+
+
 class GlooGroups:
     """A Checkpointer's gloo groups, one per purpose (``"save"``: background saves and the fast tier's
     agreements; ``"drain"``; further transfer streams), each created collectively when first needed."""
@@ -290,20 +329,39 @@ class GlooGroups:
 
     def get(self, ctx: DistContext, purpose: str = "save", timeout: float | None = None) -> Any:
         """(all ranks, collectively the first time) The group for ``purpose`` (``None``: no process group),
-        made with ``timeout`` seconds (``None``: the default)."""
+        made with ``timeout`` seconds (``None``: the job group's own, :func:`job_timeout`)."""
         if not ctx.active or ctx.world_size == 1:
             return None
         group = self._groups.get(purpose)
+        self.refuse_stale(ctx)
         if group is None:
             pg = self.process_group
             ranks = dist.get_process_group_ranks(pg) if pg is not None else None
-            wait = datetime.timedelta(seconds=timeout) if timeout is not None else None
+            # the job's own timeout, not torch's 30-minute default: a background collective with a hung peer
+            # (a frozen or vanished node) fails within it, and the exit wait for it ends (hunt69b F1)
+            wait = datetime.timedelta(seconds=timeout) if timeout is not None else job_timeout(pg)
             group = dist.new_group(
                 ranks=ranks, backend="gloo", timeout=wait, use_local_synchronization=ranks is not None
             )
             self._groups[purpose] = group
             self.bound = timeout if purpose == "join" else self.bound
         return group
+
+    kept = staticmethod(group_kept)
+
+    def stale(self) -> bool:
+        """Whether its groups died with a process group destroyed since (``destroy_process_group()``)."""
+        return any(not group_alive(group) for group in self._groups.values())
+
+    def refuse_stale(self, ctx: DistContext) -> None:
+        """Refuse, by name, to use groups of a process group destroyed since: torch said only "Group ... is not
+        registered", and an in-process restart's every save failed so (hunt69b F3)."""
+        if ctx.active and self.stale():
+            raise CheckpointError(
+                f"rank {ctx.rank} of {ctx.world_size}: this Checkpointer's background gloo groups belong to a "
+                "process group destroyed since it was built (destroy_process_group()): build a new Checkpointer "
+                "after init_process_group(). Nothing was written; what was committed before is intact"
+            )
 
     def join(self, ctx: DistContext, timeout: float | None, action: str) -> None:
         """(all ranks, a save's first step) Every rank enters within ``timeout`` seconds (``None``: unchecked),
@@ -313,6 +371,7 @@ class GlooGroups:
         (every rank in step, :meth:`Checkpointer._agreed`), so the first call has none: it meets there."""
         if self.out_of_step:
             raise CheckpointError(f"rank {ctx.rank} of {ctx.world_size}: {action}: refused: {self.out_of_step}")
+        self.refuse_stale(ctx)
         group = self._groups.get("join")
         if timeout is None or group is None:
             return
@@ -368,11 +427,22 @@ class GlooGroups:
         groups, self._groups = list(self._groups.values()), {}
         if self.out_of_step or self.bound is not None:
             return
+        met = True
         for group in groups:
-            if dist.is_available() and dist.is_initialized():
-                with contextlib.suppress(Exception):  # a group torn down with the job's already
+            if not (dist.is_available() and dist.is_initialized()):
+                return
+            if met:
+                try:  # bounded by the group's timeout, the job's (a peer whose with block raised never comes)
                     dist.barrier(group=group)
-                    dist.destroy_process_group(group)
+                except Exception as exc:  # noqa: BLE001 - a group torn down with the job's, or a peer not coming
+                    met = False  # no more barriers: each would wait the whole timeout again (hunt69b F1b)
+                    log.warning(
+                        "close(): not every rank came to tear down this Checkpointer's background groups "
+                        "(one whose with block raised, or that died): left them without waiting (%s)",
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                    )
+            with contextlib.suppress(Exception):  # a group torn down with the job's already
+                dist.destroy_process_group(group)
 
 
 class ExitRecorder:
@@ -409,7 +479,7 @@ def _wait_at_exit(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
     save, drain = lanes
     for lane in lanes:
         if lane.running:
-            log.info("waiting for %s of %r before exiting", lane.what, lane.tag)
+            log.warning("waiting for %s of %r before exiting", lane.what, lane.tag)
     try:
         wait_lanes(save, drain, raise_errors=True)
     except CheckpointError as exc:

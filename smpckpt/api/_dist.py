@@ -269,16 +269,16 @@ def peer_failures(ctx: DistContext, action: str) -> Iterator[None]:
     except OSError as exc:
         raise CheckpointError(f"{action} failed: {type(exc).__name__}: {exc}") from exc
     except RuntimeError as exc:
-        dist_error = getattr(torch.distributed, "DistError", None)
-        peer = (dist_error is not None and isinstance(exc, dist_error)) or any(
-            marker in str(exc).lower() for marker in _PEER_FAILURE_MARKERS
-        )
+        peer = isinstance(exc, getattr(torch.distributed, "DistError", ()))  # gloo's and nccl's, as torch types them
+        peer = peer or any(marker in str(exc).lower() for marker in _PEER_FAILURE_MARKERS)
         if not ctx.active or ctx.world_size == 1 or not peer:
             raise
         text = str(exc).removesuffix(LOADED_IN_PLACE)  # a resume's note (its read had begun) ends the message
+        # a hung peer (stopped, or a node gone without closing its connections) is a timeout, not a death (hunt69b F7)
+        why = "did not answer within the group's timeout" if "timed out" in text.lower() else "died or was killed"
         raise CheckpointError(
             f"rank {ctx.rank} of {ctx.world_size}: {action} failed in a collective, most likely because another "
-            f"rank died or was killed ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); "
+            f"rank {why} ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); "
             f"what was committed before is intact -- check with `smpckpt ls`{str(exc)[len(text) :]}"
         ) from exc
 

@@ -259,7 +259,7 @@ class InventedState:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None and not self.applied:
             drop_optimizer_state(self.model, self.optimizers, self.stateless)
-        if isinstance(exc, Exception):  # refused after its load (check_groups, skipped_keys, apply_state, torch)
+        if exc is not None:  # refused after its load (check_groups, skipped_keys, apply_state, torch), or a Ctrl-C
             loaded_in_place(exc, self.loaded)
 
 
@@ -364,7 +364,7 @@ def load_checkpoint(
         md_error, group = reader.metadata_error, common.process_group
         err = translate_dcp(exc, f"loading {what} {url}", metadata_error=md_error, group=group)
         raise loaded_in_place(err, reader.reading and in_place(common, opts)) from exc
-    except Exception as exc:  # a peer lost during the read (gloo's error)
+    except BaseException as exc:  # a peer lost during the read (gloo's error), a Ctrl-C (hunt69b F4)
         loaded_in_place(exc, reader.reading and in_place(common, opts))
         raise
     return planner

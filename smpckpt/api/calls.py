@@ -287,8 +287,10 @@ def _checkpointer(
         async_options = held.async_options  # none given: they change nothing of a resume
     # no retention in the key: a save's is set on the kept Checkpointer below, a resume takes none
     key = (*where, sharding, fast_tier, async_options)
-    ckpt = held if held_key == key else None
-    if ckpt is None and held is not None and held_key[:2] + held_key[3:] == (key[:2] + key[3:]):
+    # its gloo groups died with a process group destroyed since (an in-process restart): a new one (hunt69b F3)
+    stale = held is not None and held._groups.stale()
+    ckpt = held if held_key == key and not stale else None
+    if ckpt is None and held is not None and not stale and held_key[:2] + held_key[3:] == (key[:2] + key[3:]):
         # only the sharding differs, often by identity alone (a name_map lambda written at the call)
         if held._rebind_sharding(sharding):
             ckpt = held
@@ -297,7 +299,9 @@ def _checkpointer(
         # carries its save numbers and a roll-back it resumed over
         if held is not None:
             held.wait()
-            if joins and held._groups.serves(sharding.process_group):  # rev67d F1: else a hang (rev67f F2: same ranks)
+            if (
+                joins and not stale and held._groups.serves(sharding.process_group)
+            ):  # rev67d F1: else a hang (rev67f F2: same ranks)
                 held._groups.join(
                     DistContext(held.sharding.process_group), held.sharding.join_timeout, "save_checkpoint"
                 )

@@ -419,8 +419,8 @@ class Checkpointer:
         overlap = self.async_options.overlap_staging  # every rank's alike (the options are agreed)
 
         def work() -> None:
-            bctx = DistContext(group)
-            with peer_failures(bctx, f"saving checkpoint {req.tag!r} under {req.root} in the background"):
+            action = f"saving checkpoint {req.tag!r} under {req.root} in the background"
+            with self._groups.kept(group, action), peer_failures(bctx := DistContext(group), action):
                 try:
                     # the ranks agree on their staging first: one that refused it (a tensor changed in
                     # place) would otherwise leave the others waiting for it in the write's collectives

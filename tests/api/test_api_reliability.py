@@ -404,6 +404,38 @@ def test_a_resume_failing_in_its_read_says_the_model_holds_some_of_the_checkpoin
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
 
 
+def test_a_ctrl_c_part_way_through_a_resumes_read_says_the_model_holds_some_of_the_checkpoint(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hunt69b F4: a KeyboardInterrupt part-way through a resume's read (a notebook's interrupted cell) left some
+    parameters with the checkpoint's values and the others live, and said nothing (an Exception there says so):
+    the next save committed the mix. It keeps its type and now carries the same note."""
+    from smpckpt.planners import ParallelLoadPlanner
+
+    root = str(tmp_path)
+    m = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(1.0)
+    save_checkpoint(root, "a", model=m)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(2.0)
+    real, read = ParallelLoadPlanner.commit_tensor, [0]
+
+    def interrupted(self: Any, read_item: Any, tensor: torch.Tensor) -> None:
+        real(self, read_item, tensor)
+        read[0] += 1
+        if read[0] == 4:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ParallelLoadPlanner, "commit_tensor", interrupted)
+    with Checkpointer(root) as ckpt, pytest.raises(KeyboardInterrupt) as stopped:
+        ckpt.resume("a", model=m)
+    assert type(stopped.value) is KeyboardInterrupt and LOADED_IN_PLACE[2:] in stopped.value.__notes__, stopped.value
+    assert {float(p.flatten()[0]) for p in m.parameters()} == {1.0, 2.0}  # what the note says: half loaded
+
+
 def test_a_translated_resume_without_optimizer_failing_in_its_read_leaves_the_model_and_says_nothing_was_loaded(
     tmp_path: Any,
 ) -> None:

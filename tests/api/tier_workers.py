@@ -397,3 +397,46 @@ def path_cases(rank: int, world: int, base: str, durable: str, s3: str, up: Any,
     )
     out["exact"] = all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), model.state_dict().values()))
     return out
+
+
+def peer_hung_in_a_tiered_save(rank: int, world: int, base: str, durable: str, flag: str) -> dict[str, Any]:
+    """hunt69b F1: rank 1 (a node of its own) hangs entering its fast tier's write of a synchronous save of
+    ``b``; rank 0's save must fail within about the job's process-group timeout (the harness's ``pg_timeout``):
+    the fast tier's transfers ran on the Checkpointer's groups, made with torch's 30 minutes."""
+    import contextlib
+    import time
+
+    import smpckpt.api._fast_save as fast_save
+    from smpckpt import Checkpointer, FastTier
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    torch.manual_seed(0)
+    m = torch.nn.Linear(16, 4)
+    ckpt = Checkpointer(durable, fast_tier=FastTier(os.path.join(base, f"node{rank}"), replicas=2))
+    ckpt.save("a", m)
+    ckpt.wait()
+    real = fast_save.save_fast
+
+    def hold() -> None:  # stands for a stopped process or a vanished node, until rank 0 is done (at most 120 s)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def hung(*args: Any, **kwargs: Any) -> Any:
+        if rank == 1:
+            hold()
+            raise RuntimeError("rank 1 was held (the test's hang)")
+        return real(*args, **kwargs)
+
+    fast_save.save_fast = hung  # type: ignore[assignment]
+    said = "no error"
+    try:
+        ckpt.save("b", m)
+    except BaseException as exc:  # noqa: BLE001 - reported
+        said = f"{type(exc).__name__}: {exc}"
+    if rank == 0:
+        with open(flag, "w") as f:
+            f.write("done")
+    with contextlib.suppress(Exception):
+        ckpt.wait()
+    return {"said": said}

@@ -433,3 +433,44 @@ def test_llama_export_refuses_an_hf_config_whose_biases_differ_from_the_tensors(
     smpckpt.save_checkpoint(root, "ok", hf_config=hf.config, **kw)
     back = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "ok"))
     assert _equal(back.state_dict(), hf.state_dict()) == []
+
+
+def test_an_export_without_translation_is_held_to_its_configs_biases_too(tmp_path: Path) -> None:
+    """A ``LlamaForCausalLM`` already in Hugging Face's names exports without a translation (the README's
+    path): its config's family (``model_type``) says which biases ``from_pretrained`` builds, as a
+    translation's does. Bias tensors under a config without the flags would be dropped, and a Mistral
+    config holds none: both refused, nothing written; the model's own config exports, bit-exact."""
+    import transformers
+
+    hf = tiny_model("llama", seed=1, dtype=torch.float32, attention_bias=True, mlp_bias=True)
+    root = str(tmp_path / "run")
+    mistral = {**tiny_config("llama").to_dict(), "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    for tag, config, match in (
+        ("a", tiny_config("llama"), r"hf_config has attention_bias=False, but the tensors written hold 'model"),
+        ("b", {**tiny_config("llama").to_dict(), "attention_bias": True}, r"hf_config has mlp_bias=False.*hold"),
+        ("c", mistral, r"a MistralForCausalLM has no tensors 'model\.layers\.0\.self_attn\.q_proj\.bias'"),
+    ):
+        with pytest.raises(smpckpt.SpecError, match=match):
+            smpckpt.save_checkpoint(root, tag, partial=False, model=hf, hf_config=config)
+        assert not os.path.isdir(os.path.join(root, tag)) or not [
+            n for n in os.listdir(os.path.join(root, tag)) if n.endswith(".safetensors")
+        ]
+    smpckpt.save_checkpoint(root, "ok", partial=False, model=hf, hf_config=hf.config)
+    back = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "ok"))
+    assert _equal(back.state_dict(), hf.state_dict()) == []
+
+
+def test_a_qwen2_export_lacking_its_qkv_biases_is_refused(tmp_path: Path) -> None:
+    """Every ``Qwen2ForCausalLM`` has q/k/v biases: an export without them (a Llama exported as Qwen2)
+    would load with freshly initialised ones. Refused, with or without ``hf_config``, by name."""
+    hf = tiny_model("qwen2", seed=1, dtype=torch.float32)
+    ours = MODULES["qwen2"].translate_hf_state_dict_to_smpckpt(hf.state_dict())
+    bare = {k: v for k, v in ours.items() if not k.endswith("k_proj.bias")}
+    kw: dict[str, Any] = dict(partial=False, model=Holder(bare), translate_function=MODULES["qwen2"].TRANSLATION)
+    match = r"Qwen2ForCausalLM always has q/k/v biases, but the tensors written lack 'model\.layers\.0\.self_attn\.k_"
+    for tag, config in (("a", tiny_config("qwen2")), ("b", None)):
+        with pytest.raises(smpckpt.SpecError, match=match):
+            smpckpt.save_checkpoint(str(tmp_path / "run"), tag, hf_config=config, **kw)
+    hf_bare = {k: v for k, v in hf.state_dict().items() if not k.endswith("k_proj.bias")}
+    with pytest.raises(smpckpt.SpecError, match=match):  # without a translation, by the config's model_type
+        smpckpt.save_checkpoint(str(tmp_path / "run"), "c", partial=False, model=Holder(hf_bare), hf_config=hf.config)

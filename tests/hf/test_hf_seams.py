@@ -474,3 +474,31 @@ def test_a_qwen2_export_lacking_its_qkv_biases_is_refused(tmp_path: Path) -> Non
     hf_bare = {k: v for k, v in hf.state_dict().items() if not k.endswith("k_proj.bias")}
     with pytest.raises(smpckpt.SpecError, match=match):  # without a translation, by the config's model_type
         smpckpt.save_checkpoint(str(tmp_path / "run"), "c", partial=False, model=Holder(hf_bare), hf_config=hf.config)
+
+
+@pytest.mark.parametrize(
+    ("name", "side", "key"),
+    [
+        ("llama", "ours", "model.layers.0.mlp.gate_up_proj.lora_A.default.weight"),
+        ("llama", "artifact", "model.layers.0.mlp.gate_proj.lora_B.weight"),
+        ("gptj", "artifact", "transformer.h.0.attn.q_proj.lora_A.weight"),
+        ("gpt2", "artifact", "transformer.h.0.attn.c_attn.lora_A.weight"),
+    ],
+)
+def test_adapter_state_under_a_module_the_target_lacks_is_refused_as_adapter_state(
+    name: str, side: str, key: str
+) -> None:
+    """LoRA's ``lora_A``/``lora_B`` (or a quantiser's state) under a module the translation fuses or splits
+    has nowhere to go on the other side: refused, saying to merge or strip it, not that it is a bias."""
+    from smpckpt.hf import check_translation
+
+    hf = tiny_model(name, seed=1, dtype=torch.float32).state_dict()
+    state = MODULES[name].translate_hf_state_dict_to_smpckpt(hf) if side == "ours" else hf
+    shapes = {k: tuple(v.shape) for k, v in state.items()} | {key: (4, 8)}
+    where = "export" if side == "ours" else "import"
+    with pytest.raises(
+        smpckpt.SpecError,
+        match=rf"{re.escape(repr(key))} are no weight or bias of their module.*"
+        rf"merge or strip adapters/quantisation state before {where}",
+    ):
+        check_translation(MODULES[name].TRANSLATION, shapes, side)

@@ -6,8 +6,8 @@ if __name__ != "smpckpt.planners":
         "(install the project with `pip install -e .`)"
     )
 
-from smpckpt.planners._entries import ObjectBytes, dtensor_layout, likely_causes
-from smpckpt.planners.load import LoadReport, ParallelLoadPlanner, module_note
+from smpckpt.planners._entries import ObjectBytes, dtensor_layout, likely_causes, module_note
+from smpckpt.planners.load import LoadReport, ParallelLoadPlanner
 from smpckpt.planners.save import ObjectBuffer, ParallelSavePlanner, SaveReport
 
 __all__ = ["ParallelSavePlanner", "ParallelLoadPlanner", "LoadReport", "SaveReport", "ObjectBytes", "likely_causes"]

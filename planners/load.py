@@ -12,13 +12,12 @@ The fast path and the overlap search: the README's "Load"."""
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import io
 import logging
 import math
 import pickle
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,11 +55,16 @@ from smpckpt.planners._entries import (
     ObjectBytes,
     compile_globs,
     likely_causes,
+    module_note,
+    nesting_mismatches,
     number_as_tensor,
     read_object,
     set_at_path,
     tensor_as_number,
     tied_entries,
+)
+from smpckpt.planners._entries import (
+    show_keys as _show,
 )
 from smpckpt.planners._shared_memory import SharedMemoryLoads, TiedLoads, check_destination
 from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
@@ -68,7 +72,6 @@ from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOL
 __all__ = ["ParallelLoadPlanner", "LoadReport"]
 
 logger = logging.getLogger(__name__)
-_SHOW = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +251,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             raise LayoutMismatch(
                 f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(shown)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to skip them)"
-                + _nesting_mismatches(read, md_all)
+                + nesting_mismatches(read, md_all)
                 + module_note(read, md_all)
                 + likely_causes(read, md_all)
             )
@@ -329,11 +332,22 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
     def _viewed_as_saved(self, entry: Entry, md: TensorStorageMetadata) -> Entry | None:
         """A destination without specs in the shape a tensor had before the ShardSpec view it was saved
         under (a plain ``[3h, d]`` model loading a fused QKV a TP layout saved as ``[3, h, d]``) is read
-        viewed as the saved shape (the entry returned): the same row-major bytes, the save's view undone."""
+        viewed as the saved shape (the entry returned): the same row-major bytes, the save's view undone.
+        The reverse too, where exact: a destination under a spec's view whose piece is the whole tensor
+        (TP=1) reads a tensor saved before the view, in one whole chunk of the model's own shape (a Llama
+        ``gate_up_proj.bias`` saved ``[2I]`` by a TP=1 run whose specs had no rule for it, resumed under
+        ``view=(2, -1)``): the same bytes. A split piece (TP>1) stays a mismatch: its bytes are not one
+        box of the saved shape."""
         shape = tuple(entry.global_shape or ())
-        if entry.specs or entry.sharded_axes or entry.dtensor is not None or entry.kind != "tensor":
+        if entry.dtensor is not None or entry.kind != "tensor" or math.prod(md.size) != math.prod(shape):
             return None
-        if self.saved_original_shapes.get(entry.key) != shape or math.prod(md.size) != math.prod(shape):
+        if entry.specs or entry.sharded_axes:
+            chunk, saved = entry.chunk, md.chunks
+            piece_whole = chunk is not None and not any(chunk.offsets) and tuple(chunk.sizes) == shape
+            saved_whole = len(saved) == 1 and not any(saved[0].offsets) and tuple(saved[0].sizes) == tuple(md.size)
+            if not (piece_whole and saved_whole and entry.original_global_shape == tuple(md.size)):
+                return None
+        elif self.saved_original_shapes.get(entry.key) != shape:
             return None
         size = torch.Size(md.size)
         try:
@@ -560,37 +574,3 @@ def _refuse_raw_without_our_reader(metadata: Metadata) -> None:
             "it with storage_reader=smpckpt.storage.FsspecStorageReader(path), or export it for stock tools "
             "with `smpckpt convert PATH OUT --to dcp|torch_save` (smpckpt.tools.convert.convert_checkpoint)"
         )
-
-
-def _nesting_mismatches(missing: Sequence[str], saved: Mapping[str, Any]) -> str:
-    """(error path) Missing keys the checkpoint holds nested the other way, said as such: a dict saved
-    under ``x`` is stored as ``x.a``, ``x.b`` (DCP flattens it), so a tensor asked for as ``x`` would
-    otherwise be called absent, and ``x.a`` asked of a checkpoint holding ``x`` whole likewise."""
-    keys = sorted(saved)
-    notes = []
-    for key in missing:
-        # the keys under ``key.``: one run of the sorted keys, ending before ``key/`` ("/" follows ".")
-        under = keys[bisect.bisect_left(keys, f"{key}.") : bisect.bisect_left(keys, f"{key}/")]
-        parts = key.split(".")
-        whole = next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in saved), None)
-        if under:
-            notes.append(f"{key}: the checkpoint holds a container there (keys {_show(under)}), not one value")
-        elif whole is not None:
-            what = "an object" if isinstance(saved[whole], BytesStorageMetadata) else "a tensor"
-            notes.append(f"{key}: the checkpoint holds {whole!r} whole ({what}), not a container of keys under it")
-    return "; " + "; ".join(notes[:_SHOW]) if notes else ""
-
-
-def module_note(missing: Sequence[str], saved: Container[str]) -> str:
-    """(error path) A missing model key ``saved`` holds with ``module.`` added or removed (nn.DataParallel's)."""
-    m, why = f"{RESERVED.model}.", "saved or resumed inside a wrapper holding the model as `module`"
-    for k in missing:
-        added, removed = f"{m}module.{k[len(m) :]}", f"{m}{k[len(m) + 7 :]}" if k.startswith(f"{m}module.") else ""
-        if k.startswith(m) and (added in saved or removed in saved):
-            return f"; {k}: the checkpoint holds it with module. added or removed ({why}: nn.DataParallel, AveragedModel, ...): resume it wrapped as saved, or map the keys with Sharding(name_map=...)"
-    return ""
-
-
-def _show(keys: Sequence[str]) -> str:
-    shown = ", ".join(keys[:_SHOW])
-    return shown + (f", ... ({len(keys) - _SHOW} more)" if len(keys) > _SHOW else "")

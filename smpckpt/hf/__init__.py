@@ -73,23 +73,48 @@ def check_config(translation: Translation, config: Any) -> None:
         )
 
 
-def check_config_tensors(translation: Translation, config: Any, artifact_keys: Iterable[str]) -> None:
-    """Refuse an export to Llama whose ``hf_config`` builds a model with other biases than the tensors
-    written (:data:`smpckpt.hf.llama.BIAS_FIELDS`; a field the config lacks is transformers' default,
-    off): ``from_pretrained`` would drop the biases written, or initialise the ones not written afresh."""
-    if config is None or translation is not TRANSLATIONS["llama"]:
-        return
+def check_config_tensors(translation: Translation | None, config: Any, artifact_keys: Iterable[str]) -> None:
+    """Refuse a Llama-family export whose tensors are not the biases of the model ``from_pretrained`` builds
+    from them: it would drop the biases written, or initialise the ones not written afresh. The family is
+    the translation's by name, else (tensors already under Hugging Face's names) ``config``'s ``model_type``.
+    Llama: :data:`smpckpt.hf.llama.BIAS_FIELDS` as ``config`` sets them (a field it lacks is transformers'
+    default, off); Qwen2: :data:`smpckpt.hf.qwen2.BIASES`, always; no family holds its translation's
+    ``absent`` tensors (checked here too for an export without a translation)."""
     get = config.get if isinstance(config, Mapping) else lambda name: getattr(config, name, None)
-    keys = set(artifact_keys)
+    name = translation.name if translation is not None else (str(get("model_type")) if config is not None else "")
+    family = TRANSLATIONS.get(name)
+    keys = dict.fromkeys(artifact_keys)  # a set in the order written, for messages
     layers = sorted({int(m.group(1)) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k))})
-    for field, modules in llama.BIAS_FIELDS.items():
-        on = bool(get(field))
+    if family is None or not layers:
+        return
+    # (what says so, the modules of each layer with a bias, whether they have one, what to do)
+    wanted: list[tuple[str, tuple[str, ...], bool, str]] = []
+    if name == "llama" and config is not None:
+        for field, modules in llama.BIAS_FIELDS.items():
+            on = bool(get(field))
+            wanted.append(
+                (f"hf_config has {field}={on}", modules, on, f"Pass the model's own config ({field}={not on})")
+            )
+    elif name == "qwen2":
+        llama_hint = "A model without them is a Llama: export it with smpckpt.hf.llama's translation and its config"
+        wanted.append((f"a {family.architecture} always has q/k/v biases", qwen2.BIASES, True, llama_hint))
+    for why, modules, on, hint in wanted:
         wrong = [f"model.layers.{i}.{m}.bias" for i in layers for m in modules]
         wrong = [k for k in wrong if (k in keys) is not on]
         if wrong:
-            shown = ", ".join(repr(k) for k in wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
             raise SpecError(
-                f"hf_config has {field}={on}, but the tensors written {'lack' if on else 'hold'} {shown}: "
-                f"from_pretrained would {'initialise them afresh' if on else 'drop them'}. Pass the model's own "
-                f"config ({field}={not on})"
+                f"{why}, but the tensors written {'lack' if on else 'hold'} {_show(wrong)}: from_pretrained would "
+                f"{'initialise them afresh' if on else 'drop them'}. {hint}"
             )
+    absent = [k for k in keys if family.is_absent(k)]
+    if translation is None and absent:  # a translation refuses them itself (check_translates)
+        raise SpecError(
+            f"hf_config is a {name!r} config, but a {family.architecture} has no tensors {_show(absent)}: "
+            "from_pretrained would drop them. Is the model of another family (a Llama with attention_bias or "
+            "mlp_bias is 'llama')? Otherwise leave them out"
+        )
+
+
+def _show(keys: Sequence[str]) -> str:
+    """The first keys of ``keys`` by name, and how many more."""
+    return ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")

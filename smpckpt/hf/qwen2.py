@@ -12,10 +12,13 @@ from smpckpt.hf._common import eager_helpers
 from smpckpt.hf.llama import family_specs, make_translation
 from smpckpt.model.specs import ShardSpec
 
-__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs", "BIASES"]
 
 # Qwen2ForCausalLM's only biases are q/k/v's
 TRANSLATION = make_translation("qwen2", "Qwen2ForCausalLM", no_bias=("o", "gate", "up", "down"))
+
+#: the modules of each layer that have a bias in every Qwen2ForCausalLM, whatever its config (HF's names)
+BIASES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
 translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)

@@ -413,8 +413,8 @@ def _prefixed(translation: Translation, key: str, side: str) -> tuple[str, str] 
 
 def _stranded(
     translation: Translation, kept: Sequence[str], shapes: Mapping[str, Sequence[int]], side: str
-) -> list[str]:
-    """The ``kept`` (untranslated) keys under a module that the rules' templates name on ``side`` only
+) -> dict[str, str]:
+    """The ``kept`` (untranslated) keys, each with what follows its module (``bias``), under a module that the rules' templates name on ``side`` only
     (our fused ``mlp.gate_up_proj``; HF's ``mlp.gate_proj`` on import): the other side has no such module,
     so the key would land where nothing reads it (``from_pretrained`` ignores a ``gate_up_proj.bias``).
     Optimizer state beside a parameter in ``shapes`` (a scalar ``<param>.step``) keeps its key by design."""
@@ -424,9 +424,35 @@ def _stranded(
         _template_regex(m).pattern + r"\." for m in sorted((ours - theirs) if side == "ours" else (theirs - ours)) if m
     ]
     modules = [re.compile(p) for p in only]
-    return [
-        k for k in kept if any(m.match(k) for m in modules) and not any(param in shapes for param, _ in _prefixes(k))
-    ]
+    out = {}
+    for k in kept:
+        at = next((hit for m in modules if (hit := m.match(k)) is not None), None)
+        if at is not None and not any(param in shapes for param, _ in _prefixes(k)):
+            out[k] = k[at.end() :]
+    return out
+
+
+def _refuse_stranded(translation: Translation, stranded: Mapping[str, str], side: str) -> None:
+    """Refuse the :func:`_stranded` keys (key -> what follows its module), by what they are: state an adapter
+    or a quantiser adds (``lora_A.weight``: merged or stripped first), else a weight or bias the target's
+    module cannot hold."""
+    target = "the artifact's (Hugging Face) model" if side == "ours" else "our model"
+    added = [k for k, rest in stranded.items() if rest not in ("weight", "bias")]  # not a parameter of the module
+    if added:
+        raise SpecError(
+            f"translation {translation.name!r}: {_show(added)} are no weight or bias of their module but state an "
+            f"adapter or a quantiser adds to it (LoRA's lora_A/lora_B, scales), under a module {target} does not "
+            f"have: merge or strip adapters/quantisation state before {'export' if side == 'ours' else 'import'} "
+            "(PEFT's merge_and_unload(), or leave those keys out)"
+        )
+    if stranded:
+        raise SpecError(
+            f"translation {translation.name!r} leaves {_show(list(stranded))} as they are, but its rules rewrite the "
+            f"other tensors of their module, which {target} does not have: nothing would read them there (a "
+            "fused tensor the family's model cannot hold, such as a gate_up_proj.bias for a model without "
+            "mlp_bias). Use the translation of the model's family, or leave the tensors out; if the target "
+            "does hold them under these names, add a rename rule for each to the translation"
+        )
 
 
 def check_translates(
@@ -480,16 +506,7 @@ def check_translates(
             f"translation {translation.name!r} leaves {_show(found)} as they are, but they are {names} "
             f"{'fused tensors' if side == 'ours' else 'tensors to fuse'}: use the translation of the model's family"
         )
-    stranded = _stranded(translation, kept, shapes, side)
-    if stranded:
-        target = "the artifact's (Hugging Face) model" if side == "ours" else "our model"
-        raise SpecError(
-            f"translation {translation.name!r} leaves {_show(stranded)} as they are, but its rules rewrite the "
-            f"other tensors of their module, which {target} does not have: nothing would read them there (a "
-            "fused tensor the family's model cannot hold, such as a gate_up_proj.bias for a model without "
-            "mlp_bias). Use the translation of the model's family, or leave the tensors out; if the target "
-            "does hold them under these names, add a rename rule for each to the translation"
-        )
+    _refuse_stranded(translation, _stranded(translation, kept, shapes, side), side)
     absent = [k for k in kept if translation.is_absent(k)]
     if absent:
         raise SpecError(

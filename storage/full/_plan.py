@@ -148,8 +148,11 @@ def _expressions(
     art_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
     art_dtypes: dict[str, dict[str, torch.dtype]] = {}
     translated = _translated(by_artifact, shapes, opts.translation) if opts.translation is not None else {}
-    if opts.translation is not None:  # config.json must build a model holding exactly the biases written
-        check_config_tensors(opts.translation, opts.hf_config, (k for _, a in translated.values() for k in a))
+    # config.json must build a model holding exactly the biases written, with a translation or without
+    written = (
+        [k for _, a in translated.values() for k in a] if translated else [k for m in by_artifact.values() for k in m]
+    )
+    check_config_tensors(opts.translation, opts.hf_config, written)
     for art, members in by_artifact.items():
         ours = {key: shapes[fqn] for key, fqn in members.items()}
         if art in translated:

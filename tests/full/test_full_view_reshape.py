@@ -141,6 +141,45 @@ def test_a_whole_tensor_of_another_same_size_shape_is_refused_under_a_view(tmp_p
         assert f"holds global shape {shape}" in str(failure)
 
 
+@pytest.mark.parametrize("stored", ["plain", "transposed"])
+def test_a_partial_tp1_save_without_the_view_resumes_under_it_at_tp1_only(tmp_path: Path, stored: str) -> None:
+    """A partial checkpoint saved at TP=1 by specs without a view for a tensor (a Llama ``mlp_bias`` model's
+    ``gate_up_proj.bias`` saved ``[2I]`` before its rule ``ShardSpec(1, view=(2, -1))`` existed; a fused QKV
+    ``[3h, d]``) resumes at TP=1 under the view: one whole saved chunk in the model's own shape is the same
+    row-major bytes as the rank's whole piece. At TP=2 the pieces are no box of the saved shape: refused,
+    naming the way out; a same-size shape the model never had (a transpose) is refused at TP=1 too."""
+    h, d = 4, 6
+    qkv, bias = _qkv(h, d), torch.arange(2 * 8, dtype=torch.float32) * 0.25 - 1.0
+    saved = {"qkv": qkv.t().contiguous() if stored == "transposed" else qkv.clone(), "bias": bias.clone()}
+    reset_dcp_caches()
+    sim_save(
+        [{"model": saved}],
+        [ParallelSavePlanner(ParallelLayout(tp=1), {}, rank=0)],
+        [FsspecStorageWriter(str(tmp_path), sync_files=False)],
+    )
+    specs = {"model.qkv": ShardSpec(1, view=(3, -1, d)), "model.bias": ShardSpec(1, view=(2, -1))}
+    for tp, rank in ((1, 0), (2, 1)):
+        dest = {"qkv": torch.full((3 * h // tp, d), float("nan")), "bias": torch.full((16 // tp,), float("nan"))}
+        planner = ParallelLoadPlanner(ParallelLayout(tp=tp), specs, rank=rank)
+        with pytest.warns(UserWarning, match="single process"):
+            if tp == 1 and stored == "plain":
+                dcp.load(
+                    {"model": dest}, storage_reader=FsspecStorageReader(str(tmp_path)), planner=planner, no_dist=True
+                )
+                assert torch.equal(dest["qkv"], qkv) and torch.equal(dest["bias"], bias)
+                continue
+            with pytest.raises(CheckpointException) as info:
+                dcp.load(
+                    {"model": dest}, storage_reader=FsspecStorageReader(str(tmp_path)), planner=planner, no_dist=True
+                )
+        (failure,) = [exc for exc, _ in info.value.failures.values()]
+        assert isinstance(failure, LayoutMismatch), failure
+        if tp == 1:
+            assert f"model.qkv: the checkpoint holds global shape {(d, 3 * h)}" in str(failure)
+        else:  # the first key planned, with the way out
+            assert "the checkpoint holds global shape" in str(failure) and "consolidate it first" in str(failure)
+
+
 def _element_offset(folder: Path, row: int, col: int) -> tuple[Path, int]:
     path = folder / "model.safetensors"
     with open(path, "rb") as f:

@@ -1,9 +1,9 @@
-"""Rank functions of the Llama-biases test (two real gloo ranks): a Llama with ``attention_bias`` and
-``mlp_bias`` held as Megatron holds it under TP=2, built here from the HF model by hand (not by
-``tp_specs``, whose rules are under test): column-parallel q/k/v weights and biases cut into row
-blocks, gate and up fused into one ``gate_up_proj`` whose local rows are this rank's gate rows then the
-same up rows (bias alike), row-parallel o/down weights cut into column blocks with their biases whole
-on every rank, vocab-parallel embedding and head."""
+"""Rank functions of the Llama-biases test (two or four real gloo ranks): a Llama with ``attention_bias``
+and ``mlp_bias`` held as Megatron holds it under TP=2 or TP=4 (2 kv heads: k/v whole on every rank), built
+here from the HF model by hand (not by ``tp_specs``, whose rules are under test): column-parallel q/k/v
+weights and biases cut into row blocks, gate and up fused into one ``gate_up_proj`` whose local rows are
+this rank's gate rows then the same up rows (bias alike), row-parallel o/down weights cut into column
+blocks with their biases whole on every rank, vocab-parallel embedding and head."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ BIASES = dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
 _SPLIT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj.weight": 1, "down_proj.weight": 1}
 
 
-def megatron_shard(hf: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s local state of our TP=``tp`` Llama (our names: ``mlp.gate_up_proj``)."""
+def megatron_shard(hf: dict[str, torch.Tensor], tp: int, rank: int, kv_heads: int = 2) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s local state of our TP=``tp`` Llama (our names: ``mlp.gate_up_proj``; ``kv_heads``:
+    :func:`tiny_config`'s ``num_key_value_heads``)."""
 
     def block(t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.chunk(tp, dim)[rank].clone()
@@ -43,6 +44,8 @@ def megatron_shard(hf: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str,
             continue
         else:
             dim = next((d for part, d in _SPLIT.items() if f".{part}" in key), None)
+            if kv_heads % tp and (".k_proj." in key or ".v_proj." in key):
+                dim = None  # fewer kv heads than ranks: k/v whole on every rank
             out[key] = tensor.clone() if dim is None else block(tensor, dim)
     return out
 

@@ -343,7 +343,8 @@ def test_a_tensor_left_under_a_module_the_target_lacks_is_refused(states: Any, m
     for side, state in (("ours", ours), ("artifact", hf)):
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         stray = _one_sided_module(model, side) + ".stray_bias"
-        with pytest.raises(smpckpt.SpecError, match=rf"translation '{model}' leaves '{re.escape(stray)}' as they are"):
+        # (a name that is no weight or bias is refused as an adapter's state: test_adapter_state_...)
+        with pytest.raises(smpckpt.SpecError, match=rf"translation '{model}'(: | leaves )'{re.escape(stray)}'"):
             smpckpt.hf.check_translation(translation, {**shapes, stray: (4,)}, side)
     shapes = {k: tuple(v.shape) for k, v in ours.items()}
     steps = {f"{k}.step": () for k in shapes}  # a translated parameter's scalar state keeps its key: fine
@@ -433,3 +434,72 @@ def test_llama_export_refuses_an_hf_config_whose_biases_differ_from_the_tensors(
     smpckpt.save_checkpoint(root, "ok", hf_config=hf.config, **kw)
     back = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "ok"))
     assert _equal(back.state_dict(), hf.state_dict()) == []
+
+
+def test_an_export_without_translation_is_held_to_its_configs_biases_too(tmp_path: Path) -> None:
+    """A ``LlamaForCausalLM`` already in Hugging Face's names exports without a translation (the README's
+    path): its config's family (``model_type``) says which biases ``from_pretrained`` builds, as a
+    translation's does. Bias tensors under a config without the flags would be dropped, and a Mistral
+    config holds none: both refused, nothing written; the model's own config exports, bit-exact."""
+    import transformers
+
+    hf = tiny_model("llama", seed=1, dtype=torch.float32, attention_bias=True, mlp_bias=True)
+    root = str(tmp_path / "run")
+    mistral = {**tiny_config("llama").to_dict(), "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    for tag, config, match in (
+        ("a", tiny_config("llama"), r"hf_config has attention_bias=False, but the tensors written hold 'model"),
+        ("b", {**tiny_config("llama").to_dict(), "attention_bias": True}, r"hf_config has mlp_bias=False.*hold"),
+        ("c", mistral, r"a MistralForCausalLM has no tensors 'model\.layers\.0\.self_attn\.q_proj\.bias'"),
+    ):
+        with pytest.raises(smpckpt.SpecError, match=match):
+            smpckpt.save_checkpoint(root, tag, partial=False, model=hf, hf_config=config)
+        assert not os.path.isdir(os.path.join(root, tag)) or not [
+            n for n in os.listdir(os.path.join(root, tag)) if n.endswith(".safetensors")
+        ]
+    smpckpt.save_checkpoint(root, "ok", partial=False, model=hf, hf_config=hf.config)
+    back = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "ok"))
+    assert _equal(back.state_dict(), hf.state_dict()) == []
+
+
+def test_a_qwen2_export_lacking_its_qkv_biases_is_refused(tmp_path: Path) -> None:
+    """Every ``Qwen2ForCausalLM`` has q/k/v biases: an export without them (a Llama exported as Qwen2)
+    would load with freshly initialised ones. Refused, with or without ``hf_config``, by name."""
+    hf = tiny_model("qwen2", seed=1, dtype=torch.float32)
+    ours = MODULES["qwen2"].translate_hf_state_dict_to_smpckpt(hf.state_dict())
+    bare = {k: v for k, v in ours.items() if not k.endswith("k_proj.bias")}
+    kw: dict[str, Any] = dict(partial=False, model=Holder(bare), translate_function=MODULES["qwen2"].TRANSLATION)
+    match = r"Qwen2ForCausalLM always has q/k/v biases, but the tensors written lack 'model\.layers\.0\.self_attn\.k_"
+    for tag, config in (("a", tiny_config("qwen2")), ("b", None)):
+        with pytest.raises(smpckpt.SpecError, match=match):
+            smpckpt.save_checkpoint(str(tmp_path / "run"), tag, hf_config=config, **kw)
+    hf_bare = {k: v for k, v in hf.state_dict().items() if not k.endswith("k_proj.bias")}
+    with pytest.raises(smpckpt.SpecError, match=match):  # without a translation, by the config's model_type
+        smpckpt.save_checkpoint(str(tmp_path / "run"), "c", partial=False, model=Holder(hf_bare), hf_config=hf.config)
+
+
+@pytest.mark.parametrize(
+    ("name", "side", "key"),
+    [
+        ("llama", "ours", "model.layers.0.mlp.gate_up_proj.lora_A.default.weight"),
+        ("llama", "artifact", "model.layers.0.mlp.gate_proj.lora_B.weight"),
+        ("gptj", "artifact", "transformer.h.0.attn.q_proj.lora_A.weight"),
+        ("gpt2", "artifact", "transformer.h.0.attn.c_attn.lora_A.weight"),
+    ],
+)
+def test_adapter_state_under_a_module_the_target_lacks_is_refused_as_adapter_state(
+    name: str, side: str, key: str
+) -> None:
+    """LoRA's ``lora_A``/``lora_B`` (or a quantiser's state) under a module the translation fuses or splits
+    has nowhere to go on the other side: refused, saying to merge or strip it, not that it is a bias."""
+    from smpckpt.hf import check_translation
+
+    hf = tiny_model(name, seed=1, dtype=torch.float32).state_dict()
+    state = MODULES[name].translate_hf_state_dict_to_smpckpt(hf) if side == "ours" else hf
+    shapes = {k: tuple(v.shape) for k, v in state.items()} | {key: (4, 8)}
+    where = "export" if side == "ours" else "import"
+    with pytest.raises(
+        smpckpt.SpecError,
+        match=rf"{re.escape(repr(key))} are no weight or bias of their module.*"
+        rf"merge or strip adapters/quantisation state before {where}",
+    ):
+        check_translation(MODULES[name].TRANSLATION, shapes, side)

@@ -269,18 +269,6 @@ def drain_status() -> DrainStatus | None:
     return DrainStatus.of(max(drains, key=lambda lane: lane.submitted)) if drains else None
 
 
-def job_timeout(process_group: Any) -> datetime.timedelta | None:
-    """The timeout ``process_group`` (``None``: the default group) was made with, the shortest of its
-    backends'; ``None`` (torch's default) where torch does not tell: its backends' options are private API."""
-    try:
-        pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
-        found = [pg._get_backend(device).options._timeout for device in pg._device_types]
-    except Exception:  # noqa: BLE001 - another torch, or a backend without options: torch's default then
-        return None
-    found = [t for t in found if isinstance(t, datetime.timedelta) and t > datetime.timedelta(0)]
-    return min(found) if found else None
-
-
 def group_alive(group: Any) -> bool:
     """Whether torch still knows ``group`` (not destroyed with its job's by ``destroy_process_group()``)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -329,7 +317,7 @@ class GlooGroups:
 
     def get(self, ctx: DistContext, purpose: str = "save", timeout: float | None = None) -> Any:
         """(all ranks, collectively the first time) The group for ``purpose`` (``None``: no process group),
-        made with ``timeout`` seconds (``None``: the job group's own, :func:`job_timeout`)."""
+        made with ``timeout`` seconds (``None``: torch's default)."""
         if not ctx.active or ctx.world_size == 1:
             return None
         group = self._groups.get(purpose)
@@ -337,9 +325,10 @@ class GlooGroups:
         if group is None:
             pg = self.process_group
             ranks = dist.get_process_group_ranks(pg) if pg is not None else None
-            # the job's own timeout, not torch's 30-minute default: a background collective with a hung peer
-            # (a frozen or vanished node) fails within it, and the exit wait for it ends (hunt69b F1)
-            wait = datetime.timedelta(seconds=timeout) if timeout is not None else job_timeout(pg)
+            # torch's default (30 minutes), not the job's own timeout: the collectives of a background save, a
+            # drain and a fast-tier transfer wait for other ranks' I/O, which may rightly take longer than the
+            # job's collectives may (rev69g: a rank writing 15 s slower failed a save at an 8 s job timeout)
+            wait = datetime.timedelta(seconds=timeout) if timeout is not None else None
             group = dist.new_group(
                 ranks=ranks, backend="gloo", timeout=wait, use_local_synchronization=ranks is not None
             )
@@ -432,7 +421,7 @@ class GlooGroups:
             if not (dist.is_available() and dist.is_initialized()):
                 return
             if met:
-                try:  # bounded by the group's timeout, the job's (a peer whose with block raised never comes)
+                try:  # bounded by the group's timeout (a peer whose with block raised comes when its process ends)
                     dist.barrier(group=group)
                 except Exception as exc:  # noqa: BLE001 - a group torn down with the job's, or a peer not coming
                     met = False  # no more barriers: each would wait the whole timeout again (hunt69b F1b)

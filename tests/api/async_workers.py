@@ -216,42 +216,11 @@ def fails_while_saving(root: str, status: str, exit_code: str = "") -> None:
         sys.exit(int(exit_code))
 
 
-def returns_with_a_hung_peer(root: str, rank: str, init: str, flag: str) -> None:
-    """hunt69b F1, F5 (a fresh interpreter per rank): rank 1 hangs in its background write of ``b``; rank 0's
-    main returns, and its exit wait must end within about the job's 5 s timeout, logged at WARNING."""
-    import datetime
-
-    import smpckpt.api.checkpointer as ck
-
-    me = int(rank)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init}", rank=me, world_size=2, timeout=datetime.timedelta(seconds=5)
-    )
-    m = model(0)
-    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
-    ckpt.save("a", m).result()  # type: ignore[union-attr]
-    real = ck.write_checkpoint
-
-    def hung(*args: Any) -> None:
-        if me == 1:  # stands for a stopped process or a vanished node, until the test says (at most 120 s)
-            deadline = time.monotonic() + 120
-            while not os.path.exists(flag) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            raise RuntimeError("rank 1 was held (the test's hang)")
-        real(*args)
-
-    ck.write_checkpoint = hung  # type: ignore[assignment]
-    ckpt.save("b", m)
-    print("main returned", flush=True)
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "returns-while-saving":
         returns_while_saving(sys.argv[2])
     elif sys.argv[1] == "fails-while-saving":
         fails_while_saving(*sys.argv[2:5])
-    elif sys.argv[1] == "returns-with-a-hung-peer":
-        returns_with_a_hung_peer(*sys.argv[2:6])
     else:
         killed_during_background_write(sys.argv[1], sys.argv[2])
 
@@ -330,72 +299,6 @@ def tied_dtensor_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "still_tied": back.head.weight is back.embed.weight,
         }
     return out
-
-
-def _hold_until(flag: str) -> None:
-    """Stand for a rank frozen (SIGSTOP, a vanished node) until ``flag`` exists (at most 120 s)."""
-    deadline = time.monotonic() + 120
-    while not os.path.exists(flag) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def peer_hung_in_background_save(rank: int, world: int, root: str, flag: str) -> dict[str, Any]:
-    """hunt69b F1: rank 1 hangs inside its background write of ``b``; rank 0's future must fail within about
-    the job's own process-group timeout (the harness's ``pg_timeout``), naming its rank and the tag."""
-    import concurrent.futures
-
-    import smpckpt.api.checkpointer as ck
-
-    m = model(0)
-    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
-    ckpt.save("a", m).result()  # type: ignore[union-attr]
-    real = ck.write_checkpoint
-
-    def hung(*args: Any) -> None:
-        if rank == 1:
-            _hold_until(flag)
-            raise RuntimeError("rank 1 was held (the test's hang)")
-        real(*args)
-
-    ck.write_checkpoint = hung  # type: ignore[assignment]
-    fut = ckpt.save("b", m)
-    said = "no error"
-    if rank == 0:
-        try:
-            fut.result(timeout=60)  # type: ignore[union-attr]
-        except concurrent.futures.TimeoutError:
-            said = "still pending after 60 s"
-        except BaseException as exc:  # noqa: BLE001 - reported
-            said = f"{type(exc).__name__}: {exc}"
-        with open(flag, "w") as f:
-            f.write("done")
-    else:
-        _hold_until(flag)
-    if said == "still pending after 60 s":  # raised: the harness skips the teardown, which would wait on it
-        raise AssertionError("rank 0's background save of 'b' still pending 60 s after the job's 5 s timeout")
-    with contextlib.suppress(Exception):
-        ckpt.wait()
-    return {"said": said}
-
-
-def peer_never_closes(rank: int, world: int, root: str, flag: str) -> dict[str, Any]:
-    """hunt69b F1b: rank 1's ``with Checkpointer`` body raises and it lingers; rank 0's with block ends
-    normally: its close() must not wait at the groups' teardown longer than the job's timeout."""
-    m = model(0)
-    said = "no error"
-    try:
-        with smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True)) as ckpt:
-            ckpt.save("b", m)
-            if rank == 1:
-                raise ValueError("rank 1's loop failed")
-        said = "closed"
-    except ValueError as exc:
-        said = str(exc)
-        _hold_until(flag)  # lingers (log upload, an in-process retry), its groups never torn down
-    if rank == 0:
-        with open(flag, "w") as f:
-            f.write("done")
-    return {"said": said, "newest": open(os.path.join(root, "newest")).read().strip()}
 
 
 def destroyed_under_a_background_save(rank: int, world: int, root: str) -> dict[str, Any]:

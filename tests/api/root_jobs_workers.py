@@ -35,6 +35,32 @@ with smpckpt.Checkpointer(where, retention=smpckpt.Retention(num_kept_partial_ch
 """
 
 
+#: a job in steps: saves each tag of argv[2] (comma-separated), keeping none; before each after the first, it says
+#: "saved <tag>" and waits for a line on stdin (the test orders the two jobs' calls)
+_STEPPED = r"""
+import sys, torch
+from torch import nn
+import smpckpt
+torch.manual_seed(1)
+m = nn.Linear(4, 2)
+o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+with smpckpt.Checkpointer(sys.argv[1]) as ckpt:
+    for i, tag in enumerate(sys.argv[2].split(",")):
+        if i:
+            print("saved", prev, flush=True)
+            sys.stdin.readline()
+        ckpt.save(tag, m, o)
+        prev = tag
+"""
+
+
+def stepped_job(root: str, tags: str) -> subprocess.Popen[str]:
+    """The other job, saving ``tags`` one by one: ``.stdout.readline()`` waits for a save, a line to stdin goes on."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    args = [sys.executable, "-c", _STEPPED, root, tags]
+    return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
 def model() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     m = nn.Linear(4, 2)

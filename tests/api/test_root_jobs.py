@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 from dist_harness import run_world
-from root_jobs_workers import model, other_job, refused_world, stepped_job
+from root_jobs_workers import model, other_job, refused_world, stepped_job, tiered_job
+from test_tiers_path import _down
 from torch import nn
 
 import smpckpt.api.checkpointer as checkpointer_module
@@ -263,3 +264,28 @@ def test_the_job_token_keeps_each_part_it_can_read(monkeypatch: pytest.MonkeyPat
     hidden.add("/proc/self/stat")
     neither = _save.job_token()
     assert len({whole, no_boot, neither}) == 3  # before: no_boot == neither (host and pid alone)
+
+
+def test_a_restart_resuming_by_tag_while_path_is_down_keeps_its_history(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Any, caplog: Any
+) -> None:
+    """rev69c 7: a restart resumes a2 by tag from the fast tier while path is down, saves b1 still down (numbered
+    without a listing), then b2 with path back. Before: b2's first listing found none of the job's own
+    checkpoints, warned "resumed none" and recorded the job's own b1 (and a2) as abandoned. Now the job's history
+    goes on: no range recorded, no warning."""
+    root, options = s3_root
+    fast = str(tmp_path / "fast")
+    tiered_job(root, fast, options)
+    where = Location(root, storage_options=dict(options))
+    m, o = model()
+    caplog.set_level(logging.WARNING)
+    with Checkpointer(where, fast_tier=FastTier(fast, replicas=1, durable_every=2)) as b:
+        where.storage_options.update(_down(options))
+        b.resume("a2", model=m, optimizer=o)
+        b.save("b1", m, o)
+        where.storage_options.update(options)
+        b.save("b2", m, o)
+        b.wait()
+    records = {r.tag: r for r in scan_root(root, storage_options=options) if r.committed}
+    assert "b2" in records and "abandoned" not in records["b2"].extra, records["b2"].extra  # before: [[1, 3]]
+    assert not [r for r in caplog.records if "resumed none" in r.getMessage()]

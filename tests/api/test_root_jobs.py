@@ -289,3 +289,28 @@ def test_a_restart_resuming_by_tag_while_path_is_down_keeps_its_history(
     records = {r.tag: r for r in scan_root(root, storage_options=options) if r.committed}
     assert "b2" in records and "abandoned" not in records["b2"].extra, records["b2"].extra  # before: [[1, 3]]
     assert not [r for r in caplog.records if "resumed none" in r.getMessage()]
+
+
+def test_the_fresh_job_warning_says_retention_removes_unnumbered_checkpoints(tmp_path: Any, caplog: Any) -> None:
+    """rev69c 6: a root holding only unnumbered committed checkpoints (``convert --to dcp``'s outputs, older
+    versions): the fresh job's warning promised they were "kept as abandoned", yet no range can mark them and its
+    retention (keeping 1) removed them. The warning now names them and says retention removes them."""
+    import io
+
+    from smpckpt.tools.cli import main
+
+    src, root = str(tmp_path / "src"), str(tmp_path / "run")
+    m, o = model()
+    with Checkpointer(src) as c:
+        c.save("x", m, o)
+    for tag in ("old1", "old2"):
+        argv = ["convert", "--to", "dcp", f"{src}/x", f"{root}/{tag}_partial"]
+        assert main(argv, stdout=io.StringIO(), stderr=io.StringIO()) == 0
+    assert [r.order[0] for r in scan_root(root) if r.committed] == [0, 0]
+    caplog.set_level(logging.WARNING)
+    with Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=1)) as c:
+        c.save("n1", m, o)
+        c.save("n2", m, o)
+    said = " ".join(r.getMessage() for r in caplog.records if "resumed none" in r.getMessage())
+    assert "['old1', 'old2'] carry no sequence number" in said and "retention removes them" in said, said
+    assert _committed(root) == ["n2"]  # as the warning says

@@ -475,8 +475,9 @@ class Checkpointer:
                     loaded = self._tier.resume(req, ctx)
                     target = loaded.target if loaded is not None else None
                 else:  # rank 0 resolves the tag and reads its manifest once; every rank gets the answer
-                    found = lambda: resolve_target(path, tag, req.storage_options)  # noqa: E731
-                    target = ctx.on_coordinator(lambda: self._counter.resuming(found(), tag))  # refused: another's
+                    target = ctx.on_coordinator(  # (called from the lambda: its warnings' stacklevel counts on it)
+                        lambda: self._counter.resuming(resolve_target(path, tag, req.storage_options), tag)
+                    )  # refused when tag-less into another job's (catalog.root)
                     if target is not None:  # this job's next saves are numbered after it (catalog.root)
                         target.seen_by(self._counter)
                 if target is None:

@@ -30,7 +30,7 @@ from smpckpt.api._dist import (
 )
 from smpckpt.api.options import ResumeOptions, aside
 from smpckpt.catalog import root as catalog
-from smpckpt.catalog._abandoned import decided_by_copy, read_abandoned
+from smpckpt.catalog._abandoned import decided_by_copy, read_abandoned, split_lineage
 from smpckpt.errors import CheckpointError, CheckpointNotFound, loaded_in_place
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, dtensor_layout, likely_causes, module_note
@@ -188,7 +188,7 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
             )
         reason = f"{root}/newest names {newest!r}, which is not a committed checkpoint ({state})"
     copy = read_abandoned(root, storage_options, committed)
-    history, dropped = catalog.split_lineage(committed, copy)
+    history, dropped = split_lineage(committed, copy)
     by_copy = f", as {root}/{catalog.ABANDONED_NAME} records" if decided_by_copy(committed, copy) else ""
     gone = f" (not {[r.tag for r in dropped]}: a roll-back abandoned them{by_copy})" if dropped else ""
     if not history:

@@ -145,10 +145,13 @@ def job_token() -> str:
     time, hashed. Every Checkpointer of the process (one job's) records the same; another process (another job,
     a restart, another container's process of the same pid) another. Derived at each save: nothing is kept."""
     parts = [os.uname().nodename, str(os.getpid())]
-    with contextlib.suppress(OSError, IndexError, ValueError):  # Linux; elsewhere host and pid alone
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f, open("/proc/self/stat", "rb") as g:
-            parts += [f.read(64).strip().decode(), g.read(4096).rsplit(b")", 1)[1].split()[19].decode()]
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    # Linux; elsewhere host and pid alone. Each part on its own: one unreadable keeps the others (rev69c 9)
+    with contextlib.suppress(OSError, ValueError), open("/proc/sys/kernel/random/boot_id", "rb") as f:
+        parts.append(f.read(64).strip().decode())
+    with contextlib.suppress(OSError, IndexError, ValueError), open("/proc/self/stat", "rb") as g:
+        parts.append("start " + g.read(4096).rsplit(b")", 1)[1].split()[19].decode())
+    with contextlib.suppress(OSError):
+        parts.append(f"ns {os.stat('/proc/self/ns/pid').st_ino}")
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).hexdigest()
 
 

@@ -356,6 +356,8 @@ class Checkpointer:
         action = f"saving checkpoint {tag!r} under {self.location.path}"
         _refuse_while_resuming(action)
         ctx, common, opts = self._agreed(action, what, tag, options, SaveOptions, model, optimizer)
+        last = _last_resume.get()  # this thread's: a Checkpointer built per save goes on from it (catalog.root)
+        self._counter.hint = last.tag if last is not None and last.path == self.location.path else ""
         if self._tier is not None and opts.overwrite:
             raise ValueError(
                 "overwrite does not apply with local_path (a fast tier: a tiered save never replaces a tag)"
@@ -473,7 +475,9 @@ class Checkpointer:
                     loaded = self._tier.resume(req, ctx)
                     target = loaded.target if loaded is not None else None
                 else:  # rank 0 resolves the tag and reads its manifest once; every rank gets the answer
-                    target = ctx.on_coordinator(lambda: resolve_target(path, tag, req.storage_options))
+                    target = ctx.on_coordinator(  # (called from the lambda: its warnings' stacklevel counts on it)
+                        lambda: self._counter.resuming(resolve_target(path, tag, req.storage_options), tag)
+                    )  # refused when tag-less into another job's (catalog.root)
                     if target is not None:  # this job's next saves are numbered after it (catalog.root)
                         target.seen_by(self._counter)
                 if target is None:
@@ -509,7 +513,8 @@ class Checkpointer:
                         stateless_at_save(req.model, req.optimizers, state, guard.stateless, planner),
                     )
                 )
-                self._counter.resumed(target.order[0], target.abandoned)  # applied: a roll-back (catalog.root)
+                extra = target.manifest.extra if target.manifest is not None else None  # (rank 0's: it draws)
+                self._counter.resumed(target.order[0], target.abandoned, extra, target.tag)  # applied: catalog.root
                 info = summarize(req, target, counts, restored, rng)
                 if reader is not None:
                     peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)

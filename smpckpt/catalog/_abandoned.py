@@ -1,12 +1,14 @@
 """The root's copy of what roll-backs abandoned (``{path}/smpckpt.abandoned``, beside ``newest``): written by
 the first save carrying a new range, read by retention, ``prune``, ``ls`` and the resume's fallback when its save
 is numbered above every committed checkpoint (its manifest, which held the record, lost). The record itself, the
-history and sequence numbers are :mod:`smpckpt.catalog.root`'s (README, "The Checkpointer")."""
+history and sequence numbers are :mod:`smpckpt.catalog.root`'s (README, "The Checkpointer"). Retention's choice
+(:func:`select_for_removal`): the history's newest kept, what a roll-back abandoned never counted."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from smpckpt.catalog.root import (
@@ -19,15 +21,30 @@ from smpckpt.catalog.root import (
     join_url,
     open_root,
     sequence_of,
-    split_lineage,
+    validate_keep,
 )
 from smpckpt.errors import CheckpointError
 from smpckpt.storage import write_bytes_atomic
 from smpckpt.storage.backends._fs import translate_errors
 
-__all__ = ["write_abandoned", "read_abandoned", "decided_by_copy"]
+__all__ = ["write_abandoned", "read_abandoned", "decided_by_copy", "KeepLatestN", "select_for_removal", "split_lineage"]
 
 _MAX_BYTES = 4096  #: the copy is a small JSON object; more is not ours and is not read whole
+
+
+def split_lineage(
+    records: Sequence[CheckpointRecord], abandoned: Ranges = ()
+) -> tuple[list[CheckpointRecord], list[CheckpointRecord]]:
+    """The committed records, newest first: ``(history, abandoned)``. The newest heads the history; an older
+    one is abandoned when a newer member (or ``abandoned``) records its number so; unrecorded: history."""
+    ranges, history, dropped = set(abandoned), [], []  # a set: a carried range counts once (rev60c F4)
+    for r in sorted((r for r in records if r.committed), key=lambda r: r.order, reverse=True):
+        if any(lo <= r.order[0] <= hi for lo, hi in ranges):
+            dropped.append(r)
+        else:
+            history.append(r)
+            ranges.update(p for p in abandoned_of(r.extra) if p[1] < r.order[0])  # a save abandons only numbers below
+    return history, dropped
 
 
 def write_abandoned(root: str, storage_options: Any, tag: str, extra: Mapping[str, Any]) -> None:
@@ -63,3 +80,30 @@ def _root_copy(root: str, storage_options: Any) -> dict[str, Any]:
     except (OSError, CheckpointError, ValueError):
         return {}
     return body if isinstance(body, dict) else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepLatestN:
+    """Keep the ``n`` newest committed checkpoints and every protected tag; keep uncommitted ones."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        validate_keep(self.n, "KeepLatestN.n")
+
+    def should_preserve(
+        self, records: Sequence[CheckpointRecord], protected: Collection[str] = (), abandoned: Ranges = ()
+    ) -> list[bool]:
+        """One bool per record (same order): ``True`` = keep. Only the history counts (:func:`split_lineage`,
+        with the root's copy ``abandoned``); what a roll-back abandoned is kept, never counted."""
+        history, dropped = split_lineage(records, abandoned)
+        kept = {id(r) for r in (*history[: self.n], *dropped)}
+        return [(not r.committed) or id(r) in kept or r.tag in protected for r in records]
+
+
+def select_for_removal(
+    records: Sequence[CheckpointRecord], keep: int, protected: Collection[str] = (), abandoned: Ranges = ()
+) -> list[str]:
+    """Tags to delete, the oldest first."""
+    preserve = KeepLatestN(keep).should_preserve(records, protected, abandoned)
+    return [r.tag for r in sorted((r for r, p in zip(records, preserve) if not p), key=lambda r: r.order)]

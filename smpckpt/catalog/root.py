@@ -12,7 +12,7 @@ such, never fatal. The listing (:func:`scan_root`, rank 0) is a LIST plus a mani
 Order: sequence number (``extra["sequence"]``), save time, save id (:func:`record_order`); ``newest``
 is a hint for stock tools. A :class:`SequenceCounter` lists the root once, then counts on without I/O.
 A save after a resume of an older tag records the numbers above it as abandoned (``extra["abandoned"]``
-and a copy beside ``newest``); :func:`split_lineage` with ``_abandoned.read_abandoned`` gives the history
+and a copy beside ``newest``); :func:`_abandoned.split_lineage` with ``read_abandoned`` gives the history
 retention, ``prune``, ``ls`` and fallbacks use. Retention counts only committed checkpoints of that history,
 never removes an abandoned one (an inference), ``unsafe``/``corrupt`` folders nor the tag ``newest`` names,
 finishes ``removing`` ones, never fails the save (README, "The Checkpointer")."""
@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, RootInUse, UnsafeCheckpoint
 from smpckpt.storage import (
@@ -41,13 +41,12 @@ from smpckpt.storage import (
 )
 from smpckpt.storage.backends._fs import StampedCache, is_local, ls_fresh, translate_errors
 
-__all__ = ["KeepLatestN", "select_for_removal", "apply_retention", "RetentionResult"]
-__all__ += ["validate_keep", "CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag"]
+__all__ = ["apply_retention", "RetentionResult", "validate_keep", "CheckpointRecord", "RecordState"]
+__all__ += ["scan_root", "record_order", "newest_tag"]
 __all__ += ["NEWEST_NAME", "PARTIAL_SUFFIX", "validate_tag", "is_valid_tag", "partial_dirname"]
 __all__ += ["tag_of_partial_dirname", "join_url", "partial_url", "read_newest", "write_newest", "list_partial_tags"]
-__all__ += ["open_root", "SEQUENCE_KEY", "sequence_of", "SequenceCounter", "newest_record", "split_lineage"]
-__all__ += ["ManifestCache", "ABANDONED_KEY", "ABANDONED_NAME", "abandoned_of"]
-__all__ += ["JOB_KEY"]
+__all__ += ["open_root", "SEQUENCE_KEY", "sequence_of", "SequenceCounter", "newest_record"]
+__all__ += ["ManifestCache", "ABANDONED_KEY", "ABANDONED_NAME", "abandoned_of", "JOB_KEY"]
 
 
 # the name it had before the module's rename: logging configured for it keeps applying
@@ -218,21 +217,6 @@ def abandoned_of(extra: Mapping[str, Any] | None) -> tuple[tuple[int, int], ...]
     return tuple(ranges)
 
 
-def split_lineage(
-    records: Sequence[CheckpointRecord], abandoned: Ranges = ()
-) -> tuple[list[CheckpointRecord], list[CheckpointRecord]]:
-    """The committed records, newest first: ``(history, abandoned)``. The newest heads the history; an older
-    one is abandoned when a newer member (or ``abandoned``) records its number so; unrecorded: history."""
-    ranges, history, dropped = set(abandoned), [], []  # a set: a carried range counts once (rev60c F4)
-    for r in sorted((r for r in records if r.committed), key=lambda r: r.order, reverse=True):
-        if any(lo <= r.order[0] <= hi for lo, hi in ranges):
-            dropped.append(r)
-        else:
-            history.append(r)
-            ranges.update(p for p in abandoned_of(r.extra) if p[1] < r.order[0])  # a save abandons only numbers below
-    return history, dropped
-
-
 def sequence_of(extra: Mapping[str, Any] | None) -> int:
     """The sequence number a manifest's ``extra`` records; 0 when it has none (older checkpoints) or it
     is not a plausible one (a bool, negative, or beyond 2**62: damage, ignored)."""
@@ -244,6 +228,7 @@ def sequence_of(extra: Mapping[str, Any] | None) -> int:
 
 #: the manifest ``extra`` entry naming the job (its rank 0's process, ``api._save.job_token``) that saved it
 JOB_KEY = "job"
+T = TypeVar("T")
 
 
 class SequenceCounter:
@@ -260,12 +245,26 @@ class SequenceCounter:
         self.abandoned: tuple[tuple[int, int], ...] = ()  #: what this job's history abandoned (roll-backs)
         self.manifests = ManifestCache()  #: the root's committed records this job read (its listings reuse them)
         self.offline = False  #: (a tiered save, the root unreachable) numbered from what it saw, listed later
+        self._from, self.hint = ("", ""), ""  #: the job and tag resumed (until the next draw); this thread's (per save)
+        self._unseen: tuple[CheckpointRecord, str, int] | None = None  #: another's unseen (an export saw it), our last
 
-    def resumed(self, seq: int, abandoned: tuple[tuple[int, int], ...]) -> None:
+    def resumed(self, seq: int, abandoned: Ranges, extra: Mapping[str, Any] | None = None, tag: str = "") -> None:
         """(once its state is applied) The job goes on from checkpoint ``seq`` (recording ``abandoned``; 0:
-        unnumbered, older versions or stock DCP); the next draw abandons those numbered above."""
+        unnumbered, older versions or stock DCP), ``tag`` saved with ``extra``; the next draw abandons those
+        numbered above (its saver's late commits too: a replacement overlapping the last save of its predecessor)."""
+        job = (extra or {}).get(JOB_KEY)
         with self._lock:
-            self._parent, self.abandoned = seq, abandoned
+            self._parent, self.abandoned, self._from = seq, tuple(abandoned), (str(job or ""), tag)
+
+    def resuming(self, target: T, tag: str | None) -> T:
+        """(rank 0) ``target`` (``api._resume.Target``), which a resume of ``tag`` chose; refused when tag-less, this job
+        saved and it is another's, unseen: rolling back, it would take that job's state silently (rev69c 1)."""
+        manifest, seq = getattr(target, "manifest", None), getattr(target, "order", (0,))[0]
+        theirs = getattr(manifest, "extra", {}).get(JOB_KEY) not in (None, self.job)
+        if tag is None and self._drawn and self.job and theirs and seq > self._highest:
+            found = CheckpointRecord(getattr(target, "tag", ""), True, (seq, 0, ""))
+            raise self._refused(found, self._tag, self._drawn, "resume")
+        return target
 
     def saw(self, seq: int, *, listed: bool = False) -> None:
         """A checkpoint numbered ``seq`` exists under the root; ``listed``: the highest of a whole listing."""
@@ -287,15 +286,24 @@ class SequenceCounter:
             # has its own counter: ``newest`` names the last commit of any, so a new save is numbered after it
             found = newest_record(self.root, self.storage_options, self.manifests)
             seq = found.order[0] if found is not None and found.committed else 0
-            if guard and job and seq and found and found.extra.get(JOB_KEY) not in (None, job):  # None: older
-                if seq > self._highest or seq == self._drawn:  # not seen by this job: committed since its last draw
-                    raise self._refused(found, self._tag, self._drawn)
+            theirs = found.extra.get(JOB_KEY) if found is not None and seq and job else None  # None: older
+            if theirs not in (None, job) and (seq > self._highest or seq == self._drawn) and found is not None:
+                if self._parent is None or theirs != self._from[0]:  # not seen: committed since this job's last draw
+                    self._unseen = self._unseen or (found, self._tag, self._drawn)  # an export: at the next save
+                else:  # the job resumed from committed late (a replacement overlapping its last save): rev69c 4
+                    log.warning(
+                        "%s: %r (sequence %d) committed by the job this one replaced after it resumed %r (sequence "
+                        "%d): abandoned by this job's history (kept, never counted nor resumed tag-less)",
+                        *(self.root, found.tag, seq, self._from[1], self._parent),
+                    )
             self.read = max(self.read, seq)
             self.saw(self.read)
+        if guard and self._unseen is not None:
+            raise self._refused(*self._unseen)
         with self._lock:
             if self._parent is not None and self._highest > self._parent:  # a roll-back: numbered past others
                 self.abandoned = ((self._parent + 1, self._highest), *self.abandoned)[:_RANGES]
-            self._parent = None
+            self._parent, self._from = None, ("", "")
             self._highest = self._drawn = self._highest + 1
             return self._highest
 
@@ -307,32 +315,47 @@ class SequenceCounter:
         mine = [r for r in committed if r.extra.get(JOB_KEY) == self.job]
         if self._parent is not None or not (committed and self.job) or committed[-1] in mine[-1:]:
             return
-        if mine and guard and committed[-1].extra.get(JOB_KEY) is not None:
-            raise self._refused(committed[-1], mine[-1].tag, mine[-1].order[0])
-        if not mine:  # kept, never removed nor counted: a job may still be saving there
+        if mine and committed[-1].extra.get(JOB_KEY) is not None:
+            last = (self._tag, self._drawn) if self._drawn else (mine[-1].tag, mine[-1].order[0])
+            self._unseen = self._unseen or (committed[-1], *last)  # refused now, or at the next save after an export
+        if mine or self._drawn:  # (drawn offline: its history is its own, rev69c 7)
+            return
+        hinted = [r for r in committed if r.tag == self.hint]  # this thread resumed it (a per-save Checkpointer)
+        if hinted:  # its history goes on from there: not another run's (rev69c 5)
+            with self._lock:
+                self._parent = hinted[0].order[0]
+                self.abandoned = tuple(p for p in abandoned_of(hinted[0].extra) if p[1] < self._parent)
+        else:  # kept, never removed nor counted: a job may still be saving there
+            bare = [r.tag for r in committed if not r.order[0]]  # no number: no range can mark them (rev69c 6)
             log.warning(
                 "%s holds %d checkpoint(s) of another job or run (the newest %r, sequence %d) and this job resumed "
-                "none: they are kept as abandoned, never counted nor removed by retention (a job still saving there "
-                "is refused at its next save; remove them by hand once settled)",
+                "none: the numbered ones are kept as abandoned, never counted nor removed by retention (a job still "
+                "saving there is refused at its next save; remove them by hand once settled)%s",
                 *(self.root, len(committed), committed[-1].tag, committed[-1].order[0]),
+                f"; {bare[:5]} carry no sequence number (older versions, convert's outputs): they count as this "
+                "job's oldest and retention removes them: move them away first to keep them"
+                if bare
+                else "",
             )
             with self._lock:
                 self._parent = 0
 
-    def _refused(self, theirs: CheckpointRecord, tag: str, seq: int) -> RootInUse:
+    def _refused(self, theirs: CheckpointRecord, tag: str, seq: int, what: str = "save") -> RootInUse:
         return RootInUse(
             f"another job is saving into {self.root}: its checkpoint {theirs.tag!r} (sequence {theirs.order[0]}) "
-            f"committed after this job's last save {tag or '(none)'!r} (sequence {seq}); this save is refused, nothing "
-            "written (its retention would remove that job's checkpoints, and a tag-less resume take the other's "
-            "state): give each job its own path"
+            f"committed after this job's last save {tag or '(none)'!r} (sequence {seq}); this {what} is refused, "
+            "nothing written (its retention would remove that job's checkpoints, and a tag-less resume take the "
+            "other's state): give each job its own path"
         )
 
     def adopt(self, other: SequenceCounter) -> None:
         """What ``other`` (the counter of the Checkpointer this one's replaces, of the same root) knew."""
         with other._lock:
             state = other._highest, other._listed, other.read, other._parent, other.abandoned, other._drawn, other._tag
+            more = other._from, other._unseen
         with self._lock:
             self._highest, self._listed, self.read, self._parent, self.abandoned, self._drawn, self._tag = state
+            self._from, self._unseen = more
         self.manifests = other.manifests
 
     def record(self, tag: str) -> dict[str, Any]:
@@ -484,33 +507,6 @@ def validate_keep(keep: Any, what: str = "num_kept_partial_checkpoints") -> int 
 
 
 @dataclasses.dataclass(frozen=True)
-class KeepLatestN:
-    """Keep the ``n`` newest committed checkpoints and every protected tag; keep uncommitted ones."""
-
-    n: int
-
-    def __post_init__(self) -> None:
-        validate_keep(self.n, "KeepLatestN.n")
-
-    def should_preserve(
-        self, records: Sequence[CheckpointRecord], protected: Collection[str] = (), abandoned: Ranges = ()
-    ) -> list[bool]:
-        """One bool per record (same order): ``True`` = keep. Only the history counts (:func:`split_lineage`,
-        with the root's copy ``abandoned``); what a roll-back abandoned is kept, never counted."""
-        history, dropped = split_lineage(records, abandoned)
-        kept = {id(r) for r in (*history[: self.n], *dropped)}
-        return [(not r.committed) or id(r) in kept or r.tag in protected for r in records]
-
-
-def select_for_removal(
-    records: Sequence[CheckpointRecord], keep: int, protected: Collection[str] = (), abandoned: Ranges = ()
-) -> list[str]:
-    """Tags to delete, the oldest first."""
-    preserve = KeepLatestN(keep).should_preserve(records, protected, abandoned)
-    return [r.tag for r in sorted((r for r, p in zip(records, preserve) if not p), key=lambda r: r.order)]
-
-
-@dataclasses.dataclass(frozen=True)
 class RetentionResult:
     removed: tuple[str, ...]
     failed: tuple[str, ...]  #: tags whose removal raised (logged); retried by the next save
@@ -532,7 +528,7 @@ def apply_retention(
     said: set[str] | None = None,
 ) -> RetentionResult:
     """(rank 0 only) Delete the committed partial checkpoints beyond the ``keep`` newest of the history
-    (:func:`split_lineage`, ``_abandoned.read_abandoned``: what a roll-back abandoned stays, uncounted).
+    (``_abandoned.split_lineage``, ``read_abandoned``: what a roll-back abandoned stays, uncounted).
 
     Removals go through :func:`smpckpt.storage.remove_checkpoint` (manifest first); never the tag ``newest`` names.
     ``keep=None`` removes no committed checkpoint. ``uncommitted_older_than`` (seconds) also removes the debris of
@@ -543,7 +539,7 @@ def apply_retention(
     :func:`read_newest` logged already (``prune``'s own read): a damaged ``newest`` is named once per pass."""
     if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
         raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")
-    from smpckpt.catalog._abandoned import read_abandoned  # they import this module: imported when used
+    from smpckpt.catalog._abandoned import read_abandoned, select_for_removal  # they import this module
     from smpckpt.catalog._debris import run_each, sweep_stale
 
     for trust in (cache, None):
@@ -556,10 +552,11 @@ def apply_retention(
         if trust is None or all(_record(t, by_tag[t].url, storage_options).order == by_tag[t].order for t in doomed):
             break
     saved = next((r for r in records if r.tag == just_saved and r.committed), None)
-    later = [r.tag for r in records if saved is not None and r.committed and r.order > saved.order]
+    # the same number too: two jobs drew it, each would remove the other's (rev69c 3)
+    later = [r.tag for r in records if saved and r.committed and r.order[0] >= saved.order[0] and r.tag != saved.tag]
     if doomed and later:
         log.warning(
-            "retention: %s, numbered after the checkpoint just saved (%s): another job saves into this root at the "
+            "retention: %s, numbered after (or as) the checkpoint just saved (%s): another job saves into this root at the "
             "same time; removing no committed checkpoint (prune by hand once that is settled)",
             later[:5],
             just_saved,

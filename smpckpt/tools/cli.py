@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from smpckpt.api._tiers import durable_key
 from smpckpt.catalog import root as catalog
-from smpckpt.catalog._abandoned import decided_by_copy, read_abandoned
+from smpckpt.catalog._abandoned import decided_by_copy, read_abandoned, split_lineage
 from smpckpt.catalog.root import (
     NEWEST_NAME,
     PARTIAL_SUFFIX,
@@ -34,7 +34,6 @@ from smpckpt.catalog.root import (
     newest_tag,
     open_root,
     scan_root,
-    split_lineage,
     validate_keep,
 )
 from smpckpt.errors import CheckpointError, CheckpointNotFound

@@ -35,6 +35,61 @@ with smpckpt.Checkpointer(where, retention=smpckpt.Retention(num_kept_partial_ch
 """
 
 
+#: a job in steps: saves each tag of argv[2] (comma-separated), keeping none; before each after the first, it says
+#: "saved <tag>" and waits for a line on stdin (the test orders the two jobs' calls)
+_STEPPED = r"""
+import sys, torch
+from torch import nn
+import smpckpt
+torch.manual_seed(1)
+m = nn.Linear(4, 2)
+o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+with smpckpt.Checkpointer(sys.argv[1]) as ckpt:
+    for i, tag in enumerate(sys.argv[2].split(",")):
+        if i:
+            print("saved", prev, flush=True)
+            sys.stdin.readline()
+        ckpt.save(tag, m, o)
+        prev = tag
+"""
+
+
+#: the job before a restart: saves a1 and a2 into the fast tier, a2 drained to path (durable_every=2)
+_TIERED = r"""
+import json, sys, torch
+from torch import nn
+import smpckpt
+torch.manual_seed(1)
+m = nn.Linear(4, 2)
+o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+where = smpckpt.Location(sys.argv[1], storage_options=json.loads(sys.argv[3]))
+with smpckpt.Checkpointer(where, fast_tier=smpckpt.FastTier(sys.argv[2], replicas=1, durable_every=2)) as ckpt:
+    ckpt.save("a1", m, o)
+    ckpt.save("a2", m, o)
+"""
+
+
+def tiered_job(root: str, fast: str, options: dict[str, Any]) -> None:
+    """Run :data:`_TIERED` to its end."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [sys.executable, "-c", _TIERED, root, fast, json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the tiered job failed: {done.stderr[-3000:]}")
+
+
+def stepped_job(root: str, tags: str) -> subprocess.Popen[str]:
+    """The other job, saving ``tags`` one by one: ``.stdout.readline()`` waits for a save, a line to stdin goes on."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    args = [sys.executable, "-c", _STEPPED, root, tags]
+    return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
 def model() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     m = nn.Linear(4, 2)

@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from smpckpt.catalog._abandoned import decided_by_copy
-from smpckpt.catalog.root import (
-    CheckpointRecord,
-    KeepLatestN,
-    record_order,
-    select_for_removal,
-    split_lineage,
-    validate_keep,
-)
+from smpckpt.catalog._abandoned import KeepLatestN, decided_by_copy, select_for_removal, split_lineage
+from smpckpt.catalog.root import CheckpointRecord, record_order, validate_keep
 from smpckpt.storage.format.manifest import Manifest, MetadataRecord
 
 
@@ -103,14 +96,14 @@ class _CountedRange(tuple):  # type: ignore[type-arg]
 def test_split_lineage_spends_linear_work_on_carried_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
     """rev60c F4: every save carries its history's 16 ranges on: each was appended again per save, and every
     older save checked against them all (4,000 saves: 15 s). Counted, not timed: a carried range counts once."""
-    from smpckpt.catalog import root
+    from smpckpt.catalog import _abandoned
 
-    real = root.abandoned_of
-    monkeypatch.setattr(root, "abandoned_of", lambda extra: tuple(_CountedRange(p) for p in real(extra)))
+    real = _abandoned.abandoned_of
+    monkeypatch.setattr(_abandoned, "abandoned_of", lambda extra: tuple(_CountedRange(p) for p in real(extra)))
     carried = [[k * 10 + 1, k * 10 + 5] for k in reversed(range(16))]
     n = 1000
     records = [_saved(f"s{i}", i, carried if i > 160 else None) for i in range(1, n + 1)]
-    history, dropped = root.split_lineage(records)
+    history, dropped = split_lineage(records)
     assert len(dropped) == 80 and [r.tag for r in dropped[:2]] == ["s155", "s154"]
     assert len(history) == n - 80
     assert _CountedRange.unpacked[0] < 64 * n  # quadratic: ~16 * n * n / 2

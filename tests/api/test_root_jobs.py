@@ -5,14 +5,28 @@ Checkpointer"). The other job is a real second process (its own identity, ``extr
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 import pytest
+import torch
 from dist_harness import run_world
-from root_jobs_workers import model, other_job, refused_world
+from root_jobs_workers import model, other_job, refused_world, stepped_job, tiered_job
+from test_tiers_path import _down
 from torch import nn
 
-from smpckpt import Checkpointer, FastTier, Location, Retention, SaveOptions, resume_from_checkpoint, save_checkpoint
+import smpckpt.api.checkpointer as checkpointer_module
+from smpckpt import (
+    Checkpointer,
+    FastTier,
+    Location,
+    Retention,
+    SaveOptions,
+    last_resume_info,
+    resume_from_checkpoint,
+    save_checkpoint,
+)
 from smpckpt.catalog.root import JOB_KEY, newest_tag, scan_root
 from smpckpt.errors import RootInUse
 
@@ -107,3 +121,196 @@ def test_every_rank_of_the_refused_job_gets_the_refusal(tmp_path: Any) -> None:
     assert "give each job its own path" in got[0]["error"] and "'t1'" in got[0]["error"], got
     assert got[1]["error"].startswith("rank 0 failed: another job is saving into"), got
     assert got[0]["dirs"] == got[1]["dirs"] == ["newest", "s1_partial", "smpckpt.abandoned", "t1_partial"], got
+
+
+def test_a_restart_that_resumed_is_not_refused_when_its_predecessor_commits_late(tmp_path: Any, caplog: Any) -> None:
+    """rev69c 4: B, a restart, resumes a1 (tag-less) while its predecessor A still commits a2 (a replacement pod
+    overlapping the terminating pod's last save). Before: B's first save was refused (RootInUse, "last save
+    '(none)'"), a restart crashing for nothing. Now B saves, a2 is abandoned by B's history (warned, naming a2 and
+    a1) and a tag-less resume takes B's b1."""
+    root = str(tmp_path)
+    a = stepped_job(root, "a1,a2")
+    try:
+        assert a.stdout is not None and a.stdin is not None
+        assert a.stdout.readline().strip() == "saved a1"
+        m, o = model()
+        with Checkpointer(root) as b:
+            b.resume(model=m, optimizer=o)
+            assert b.last_resume_info is not None and b.last_resume_info.tag == "a1"
+            a.stdin.write("go\n")
+            a.stdin.close()
+            assert a.wait(timeout=300) == 0
+            assert newest_tag(root) == "a2"
+            caplog.set_level(logging.WARNING)
+            b.save("b1", m, o)  # before: RootInUse
+    finally:
+        a.kill() if a.poll() is None else None
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "'a2' (sequence 2)" in said and "resumed 'a1' (sequence 1)" in said, said
+    records = {r.tag: r for r in scan_root(root) if r.committed}
+    assert sorted(records) == ["a1", "a2", "b1"] and records["b1"].extra["abandoned"] == [[2, 2]]
+    n, p = model()
+    resume_from_checkpoint(root, model=n, optimizer=p)
+    assert last_resume_info() is not None and last_resume_info().tag == "b1"  # type: ignore[union-attr]
+
+
+def test_a_restart_saving_through_checkpointers_built_per_save_keeps_its_retention(tmp_path: Any, caplog: Any) -> None:
+    """rev69c 5: a restart resumes another process's a1 in one Checkpointer, then saves through a new one each time
+    (README: "built per save"; smp's face). Before: the first save warned "resumed none" and kept a1 as abandoned,
+    so retention never removed it: every restart leaked the previous run's checkpoints. Now the save goes on from
+    the tag this thread resumed: keeping 2, only b2 and b3 are left."""
+    root = str(tmp_path)
+    other_job(root, "a1")
+    m, o = model()
+    with Checkpointer(root) as first:
+        first.resume(model=m, optimizer=o)
+    caplog.set_level(logging.WARNING)
+    for tag in ("b1", "b2"):
+        with Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=2)) as each:
+            each.save(tag, m, o)
+    save_checkpoint(root, "b3", model=m, optimizer=o, num_kept_partial_checkpoints=2)
+    assert _committed(root) == ["b2", "b3"]  # before: ["a1", "b2", "b3"]
+    assert not [r for r in caplog.records if "resumed none" in r.getMessage()]
+
+
+def test_an_export_between_saves_does_not_hide_the_other_job(tmp_path: Any) -> None:
+    """rev69c 2: A saves s1, B saves t1, A exports, then saves s2. Before: the export's draw marked t1 seen, s2
+    was not refused and A's retention (keeping 1) removed B's t1. Now s2 is refused naming t1; nothing removed."""
+    root = str(tmp_path / "run")
+    m, o = model()
+    with Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=1)) as a:
+        a.save("s1", m, o)
+        other_job(root, "t1")
+        a.export("e1", model=m, optimizer=o)
+        with pytest.raises(RootInUse, match="'t1' .sequence 2.* last save 's1' .sequence 1"):
+            a.save("s2", m, o)
+    assert _committed(root) == ["s1", "t1"]
+
+
+def test_a_refused_job_resuming_tag_less_is_refused_too(tmp_path: Any) -> None:
+    """rev69c 1 (in one process): A saved s1, B saved t1; A's tag-less resume (rolling back) took t1 silently,
+    after which A's saves were no longer refused and removed B's checkpoints. Now the resume is refused by name,
+    before any state is applied; a resume naming its tag is the user's choice and goes on."""
+    root = str(tmp_path)
+    m, o = model()
+    with Checkpointer(root) as a:
+        a.save("s1", m, o)
+        other_job(root, "t1")
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        with pytest.raises(RootInUse, match="'t1' .sequence 2.* last save 's1' .sequence 1.*this resume is refused"):
+            a.resume(model=m, optimizer=o)
+        assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+        a.resume("s1", model=m, optimizer=o)
+    assert _committed(root) == ["s1", "t1"]
+
+
+def test_two_saves_drawing_one_number_remove_none_of_each_other(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rev69c 3: two saves draw the same number before either commits (ordered here by holding the writes: b2
+    draws, a2 draws, b2 commits, a2 commits). Before: a2's retention (keeping 1) removed b2, numbered alike and
+    stamped earlier. Now retention removes nothing when another checkpoint has the number just saved, and warns."""
+    root = str(tmp_path)
+    m, o = model()
+    real, drew, go, done = checkpointer_module.write_checkpoint, *(threading.Event() for _ in range(3))
+
+    def held(*args: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():  # b2's: waits for a2's draw
+            drew.set()
+            go.wait(timeout=120)
+            real(*args)
+            done.set()
+        else:  # a2's: drawn after b2's, committed after it
+            go.set()
+            done.wait(timeout=120)
+            real(*args)
+
+    keep = Retention(num_kept_partial_checkpoints=1)
+    with Checkpointer(root, retention=keep) as a, Checkpointer(root, retention=keep) as b:
+        a.save("a1", m, o)
+        monkeypatch.setattr(checkpointer_module, "write_checkpoint", held)
+        failed: list[BaseException] = []
+        saving = threading.Thread(target=lambda: _caught(failed, lambda: b.save("b2", m, o)))
+        saving.start()
+        assert drew.wait(timeout=120)
+        a.save("a2", m, o)  # draws 2 too: b2 is not committed yet
+        saving.join(timeout=300)
+        assert not failed, failed
+    records = [(r.tag, r.order[0]) for r in scan_root(root) if r.committed]
+    assert sorted(records) == [("a2", 2), ("b2", 2)], records  # before: [("a2", 2)], b2 removed by a2's retention
+
+
+def _caught(failed: list[BaseException], fn: Any) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+        failed.append(exc)
+
+
+def test_the_job_token_keeps_each_part_it_can_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rev69c 9: one unreadable /proc file (a container hiding boot_id) dropped every other part too (start time,
+    pid namespace): the identity fell back to host and pid. Now each part is read on its own."""
+    from smpckpt.api import _save
+
+    whole = _save.job_token()
+    hidden: set[str] = set()
+
+    def opened(path: str, *args: Any, **kwargs: Any) -> Any:
+        if path in hidden:
+            raise PermissionError(13, "hidden", path)
+        return open(path, *args, **kwargs)
+
+    monkeypatch.setattr(_save, "open", opened, raising=False)
+    hidden.add("/proc/sys/kernel/random/boot_id")
+    no_boot = _save.job_token()
+    hidden.add("/proc/self/stat")
+    neither = _save.job_token()
+    assert len({whole, no_boot, neither}) == 3  # before: no_boot == neither (host and pid alone)
+
+
+def test_a_restart_resuming_by_tag_while_path_is_down_keeps_its_history(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Any, caplog: Any
+) -> None:
+    """rev69c 7: a restart resumes a2 by tag from the fast tier while path is down, saves b1 still down (numbered
+    without a listing), then b2 with path back. Before: b2's first listing found none of the job's own
+    checkpoints, warned "resumed none" and recorded the job's own b1 (and a2) as abandoned. Now the job's history
+    goes on: no range recorded, no warning."""
+    root, options = s3_root
+    fast = str(tmp_path / "fast")
+    tiered_job(root, fast, options)
+    where = Location(root, storage_options=dict(options))
+    m, o = model()
+    caplog.set_level(logging.WARNING)
+    with Checkpointer(where, fast_tier=FastTier(fast, replicas=1, durable_every=2)) as b:
+        where.storage_options.update(_down(options))
+        b.resume("a2", model=m, optimizer=o)
+        b.save("b1", m, o)
+        where.storage_options.update(options)
+        b.save("b2", m, o)
+        b.wait()
+    records = {r.tag: r for r in scan_root(root, storage_options=options) if r.committed}
+    assert "b2" in records and "abandoned" not in records["b2"].extra, records["b2"].extra  # before: [[1, 3]]
+    assert not [r for r in caplog.records if "resumed none" in r.getMessage()]
+
+
+def test_the_fresh_job_warning_says_retention_removes_unnumbered_checkpoints(tmp_path: Any, caplog: Any) -> None:
+    """rev69c 6: a root holding only unnumbered committed checkpoints (``convert --to dcp``'s outputs, older
+    versions): the fresh job's warning promised they were "kept as abandoned", yet no range can mark them and its
+    retention (keeping 1) removed them. The warning now names them and says retention removes them."""
+    import io
+
+    from smpckpt.tools.cli import main
+
+    src, root = str(tmp_path / "src"), str(tmp_path / "run")
+    m, o = model()
+    with Checkpointer(src) as c:
+        c.save("x", m, o)
+    for tag in ("old1", "old2"):
+        argv = ["convert", "--to", "dcp", f"{src}/x", f"{root}/{tag}_partial"]
+        assert main(argv, stdout=io.StringIO(), stderr=io.StringIO()) == 0
+    assert [r.order[0] for r in scan_root(root) if r.committed] == [0, 0]
+    caplog.set_level(logging.WARNING)
+    with Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=1)) as c:
+        c.save("n1", m, o)
+        c.save("n2", m, o)
+    said = " ".join(r.getMessage() for r in caplog.records if "resumed none" in r.getMessage())
+    assert "['old1', 'old2'] carry no sequence number" in said and "retention removes them" in said, said
+    assert _committed(root) == ["n2"]  # as the warning says

@@ -324,9 +324,10 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if self._whole_tensors() or math.prod(md.size) != math.prod(entry.global_shape or ()):
             return ""
         return (
-            "; a partial checkpoint is read only in the shape it was saved in (same elements, other view): "
-            "load it with the specs it was saved with, or consolidate it first (`smpckpt consolidate` / "
-            "smpckpt.consolidate_checkpoint): a full artifact is read reshaped into a ShardSpec view"
+            "; a partial checkpoint is read only in the shape it was saved in (same elements, other view), but "
+            "for a tensor saved before its spec's view, which an unsharded (TP=1) resume reads into it (then "
+            "save again): else consolidate it first (`smpckpt consolidate` / smpckpt.consolidate_checkpoint): "
+            "a full artifact is read reshaped into a ShardSpec view"
         )
 
     def _viewed_as_saved(self, entry: Entry, md: TensorStorageMetadata) -> Entry | None:

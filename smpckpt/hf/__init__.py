@@ -14,7 +14,7 @@ from typing import Any
 
 from smpckpt.errors import SpecError
 from smpckpt.hf import bert, gpt2, gptj, gptneo, llama, mistral, qwen2, roberta
-from smpckpt.model.translation import Translation, check_translates
+from smpckpt.model.translation import Translation, _stranded, check_translates
 
 __all__ = ["gpt2", "bert", "roberta", "gptj", "gptneo", "llama", "qwen2", "mistral", "TRANSLATIONS", "translation_for"]
 __all__ += ["check_translation", "check_config", "check_config_tensors"]
@@ -87,6 +87,13 @@ def check_config_tensors(translation: Translation | None, config: Any, artifact_
     layers = sorted({int(m.group(1)) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k))})
     if family is None or not layers:
         return
+    fused = list(_stranded(family, list(keys), {}, "ours")) if translation is None else []
+    if fused:  # our fused names under a config of the family: the translation was forgotten (rev69h M1)
+        raise SpecError(
+            f"the tensors written hold {_show(fused)}, smpckpt's fused names, which a {family.architecture} has "
+            f"no module for (from_pretrained would initialise those weights afresh): export with translation="
+            f"smpckpt.hf.{name}.TRANSLATION"
+        )
     # (what says so, the modules of each layer with a bias, whether they have one, what to do)
     wanted: list[tuple[str, tuple[str, ...], bool, str]] = []
     if name == "llama" and config is not None:

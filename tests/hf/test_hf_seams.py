@@ -461,6 +461,20 @@ def test_an_export_without_translation_is_held_to_its_configs_biases_too(tmp_pat
     assert _equal(back.state_dict(), hf.state_dict()) == []
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_our_fused_names_exported_without_translation_are_refused(family: str) -> None:
+    """rev69h M1: a model in smpckpt's fused layout exported without its translation under its family's config
+    was written (``from_pretrained`` then initialised gate/up afresh), or, with ``mlp_bias``, refused with advice
+    that went round in circles; now refused naming the fused keys and the translation to pass."""
+    from smpckpt.hf import check_config_tensors
+
+    layer = "model.layers.0."
+    keys = [layer + f"self_attn.{p}_proj.weight" for p in "qkvo"] + [layer + "mlp.down_proj.weight"]
+    for extra in ([], [layer + "mlp.gate_up_proj.bias"]):
+        with pytest.raises(smpckpt.SpecError, match=rf"mlp\.gate_up_proj\.weight.*translation=smpckpt\.hf\.{family}"):
+            check_config_tensors(None, {"model_type": family}, [*keys, layer + "mlp.gate_up_proj.weight", *extra])
+
+
 def test_a_qwen2_export_lacking_its_qkv_biases_is_refused(tmp_path: Path) -> None:
     """Every ``Qwen2ForCausalLM`` has q/k/v biases: an export without them (a Llama exported as Qwen2)
     would load with freshly initialised ones. Refused, with or without ``hf_config``, by name."""

@@ -150,10 +150,11 @@ class Folder:
                 dir_fd, base = self._at(name, create_dirs=True)
                 nf.create_at(dir_fd, base, data, sync=sync, where=where)
             elif self.s3:
-                from smpckpt.storage.backends._s3 import get_object, put_object
+                from smpckpt.storage.backends._s3 import get_object
 
-                try:  # bounded on a hung endpoint (a metadata file past 1 MiB waits for 100 Continue: rev68i F5)
-                    put_object(self.fs, where, bytes(data), IfNoneMatch="*")
+                bucket, key, _ = self.fs.split_path(where)
+                try:
+                    self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=bytes(data), IfNoneMatch="*")
                 except OSError as exc:  # a 412 without <Condition> comes from s3fs as OSError(EINVAL)
                     if not (isinstance(exc, FileExistsError) or precondition(exc)):
                         raise

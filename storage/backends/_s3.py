@@ -43,61 +43,10 @@ from smpckpt.storage.backends._sinks import (
     part_size_of,
 )
 
-__all__ = ["S3MultipartSink", "PartBody", "get_object", "get_object_and_etag", "get_range_into", "stall_limit"]
-__all__ += ["put_object"]
+__all__ = ["S3MultipartSink", "PartBody", "get_object", "get_object_and_etag", "get_range_into"]
 
 # bytes handed to aiohttp per write: the event loop interleaves the parts of several files
 _SEND_CHUNK = 1 << 20
-_BOTOCORE_MAX_BACKOFF = 20.0  # seconds: botocore's longest wait between two attempts (standard mode's cap)
-
-
-def stall_limit(fs: Any) -> float:
-    """Seconds one of our requests to S3 may go without its body moving a slice before we end it: botocore's
-    ``connect_timeout`` + ``read_timeout`` as ``fs`` configures them (``config_kwargs``, else s3fs's
-    defaults), plus the longest back-off before a retry (botocore's 20 s when it makes more than one
-    attempt; s3fs's last, ``min(1.7**(retries-1) * 0.1, 15)``). aiohttp arms its read timeout only once a body
-    is sent, and waits for a ``100 Continue`` and for a full socket with no timeout at all: on a connection
-    the endpoint stopped answering (hung), an upload waited for ever (a drain blocked for more than 290 s at
-    0.5 s timeouts: rev68i F5)."""
-    config = getattr(fs, "config_kwargs", None) or {}
-
-    def timeout(name: str) -> float:
-        value = config.get(name, getattr(fs, name, None))
-        return float(value) if value is not None else 60.0  # botocore's default
-
-    retries = config.get("retries") or {}  # botocore rewrites max_attempts (retries) as total_max_attempts
-    attempts = int(retries.get("total_max_attempts", int(retries.get("max_attempts", 4)) + 1))
-    backoff = (min(2.0 ** (attempts - 2), _BOTOCORE_MAX_BACKOFF) if attempts > 1 else 0.0) + min(
-        1.7 ** (max(1, int(getattr(fs, "retries", 5))) - 1) * 0.1, 15.0
-    )
-    return timeout("connect_timeout") + timeout("read_timeout") + backoff
-
-
-async def _watched(call: Any, body: PartBody | None, limit: float, what: str) -> Any:
-    """(s3fs's loop) ``await call``, ended (cancelled: aiohttp closes its connection) once ``limit`` seconds
-    passed without ``body`` moving a slice (no body: ``limit`` seconds in all), a ``TimeoutError`` naming
-    ``what``. A body that keeps moving, however slowly, is never cut short; every retry sends it again."""
-    task = asyncio.ensure_future(call)
-    seen = body.moved if body is not None else 0
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=limit)
-            if done:
-                return task.result()
-            moved = body.moved if body is not None else seen
-            if moved == seen:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                raise TimeoutError(
-                    errno.ETIMEDOUT,
-                    f"{what}: no answer and no byte of the request sent for {limit:.1f}s (the storage options' "
-                    "connect_timeout + read_timeout + retry back-off): the endpoint hangs",
-                )
-            seen = moved
-    finally:  # this wait cancelled (an aborted upload cancels its parts): the request ends with it
-        if not task.done():
-            task.cancel()
 
 
 class PartBody(Payload):
@@ -118,7 +67,6 @@ class PartBody(Payload):
         self._starts, self._total = offsets[:-1], offsets[-1]  # where each part starts; the size
         self._size = self._total  # what aiohttp reads
         self._pos = 0
-        self.moved = 0  # bytes the connection took, every attempt counted (``_watched``: progress)
 
     # -- file protocol (botocore: checksums, payload hash, retries' reset_stream) ----------------
     def __len__(self) -> int:
@@ -158,7 +106,6 @@ class PartBody(Payload):
                 chunk = view[i : i + min(_SEND_CHUNK, left)]
                 await writer.write(chunk)  # drains (waits for the socket) when its buffer is full
                 left -= len(chunk)
-                self.moved += len(chunk)
 
 
 class S3MultipartSink:
@@ -207,27 +154,21 @@ class S3MultipartSink:
         self._slots = threading.BoundedSemaphore(max(1, max_in_flight))
         self._done = False
         self._sent = sent  # told each part's size once its upload ended (open_sink)
-        self._limit = stall_limit(fs)  # a request that stops moving for this long fails: a hung endpoint
 
     # -- helpers ------------------------------------------------------------------------------
     def _run(self, coro: Any) -> concurrent.futures.Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self._fs.loop)
 
     def _call(self, method: str, **kwargs: Any) -> Any:
-        body = kwargs.get("Body")
         with translate_errors(self.path):
-            if not isinstance(body, PartBody):  # no body to wait on: aiohttp's read timeout bounds the call
-                return self._fs.call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs)
-            call = self._fs._call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs)
-            # not fsspec's sync: it turns every TimeoutError into a bare FSTimeoutError
-            return self._run(_watched(call, body, self._limit, f"{method} {self.path}")).result()
+            return self._fs.call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs)
 
     async def _upload_part(self, number: int, body: PartBody, buf: bytearray | None) -> str:
         try:
             # ``_call_s3`` is the coroutine behind the public ``call_s3`` (fsspec names the async form of
             # every method with a leading underscore): parts run concurrently on s3fs's loop, with
             # s3fs's retries and error translation. tests/storage/test_s3fs_private_api.py pins it.
-            call = self._fs._call_s3(
+            resp = await self._fs._call_s3(
                 "upload_part",
                 Bucket=self._bucket,
                 Key=self._key,
@@ -235,7 +176,6 @@ class S3MultipartSink:
                 PartNumber=number,
                 Body=body,
             )
-            resp = await _watched(call, body, self._limit, f"upload_part {number} of {self.path}")
             return str(resp["ETag"])
         finally:
             if buf is not None:
@@ -380,17 +320,6 @@ class S3MultipartSink:
         if self._upload_id is not None:
             with contextlib.suppress(Exception):  # best effort; a lifecycle rule catches the rest
                 self._call("abort_multipart_upload", UploadId=self._upload_id)
-
-
-def put_object(fs: Any, path: str, data: bytes, **kwargs: Any) -> Any:
-    """(any thread but s3fs's loop) ``PutObject`` of ``data`` at ``path`` (``kwargs``: its conditions), ended
-    once it stops moving for :func:`stall_limit` (a hung endpoint: a body past 1 MiB waits for a
-    ``100 Continue`` with no timeout of aiohttp's). Errors as s3fs's ``call_s3`` raises them."""
-    bucket, key, _ = fs.split_path(path)
-    body = PartBody([memoryview(data)])
-    call = fs._call_s3("put_object", Bucket=bucket, Key=key, Body=body if len(body) else b"", **kwargs)
-    watched = _watched(call, body, stall_limit(fs), f"put_object {path}")
-    return asyncio.run_coroutine_threadsafe(watched, fs.loop).result()
 
 
 async def _one_attempt(fs: Any, method: str, **kwargs: Any) -> Any:

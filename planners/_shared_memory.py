@@ -24,7 +24,7 @@ def check_destination(key: str, value: torch.Tensor, stored: bool) -> None:
     if value.device.type == "meta":
         raise SpecError(f"{key}: destination is on the meta device; allocate it before loading")
     strides = value.stride()
-    if stored and 0 in strides and any(st == 0 and n > 1 for n, st in zip(value.shape, strides)):
+    if stored and 0 in strides and value.numel() > 0 and any(st == 0 and n > 1 for n, st in zip(value.shape, strides)):
         raise SpecError(
             f"{key}: the destination (shape {tuple(value.shape)}, strides {strides}) is an expanded view: "
             "several of its elements are one memory location, which a load cannot give different values; load "

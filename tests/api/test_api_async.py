@@ -481,3 +481,26 @@ def test_a_checkpointer_reused_after_its_process_group_was_made_again_says_build
         assert "process group destroyed since it was built" in got["said"], got
         assert "build a new Checkpointer after init_process_group()" in got["said"], got
         assert got["newest"] == ["c", "b"], got
+
+
+_ODD = {
+    "quantized": (lambda: torch.quantize_per_tensor(torch.tensor([0.5, -1.0]), 0.05, 0, torch.qint8), "a quantized"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "a nested tensor"),
+    "meta": (lambda: torch.empty(3, device="meta"), "a meta tensor"),
+    "sparse": (lambda: torch.eye(3).to_sparse(), "a torch.sparse_coo tensor"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("kind", sorted(_ODD))
+def test_an_async_save_refuses_a_tensor_it_cannot_stage_by_key(tmp_path, kind: str, overlap: bool) -> None:
+    """rev69f F5: staging copied a quantized, nested, meta or sparse tensor first and failed in torch's words,
+    naming no key; refused by key (as a synchronous save refuses it) before any buffer is made."""
+    make, said = _ODD[kind]
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("odd", make())
+    options = smpckpt.AsyncOptions(enabled=True, overlap_staging=overlap)
+    with pytest.raises(smpckpt.SpecError, match=rf"model\.odd: {said}"):
+        with smpckpt.Checkpointer(str(tmp_path), async_options=options) as ck:
+            ck.save("t", model).result()

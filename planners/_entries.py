@@ -249,10 +249,11 @@ class _EntryMaker:
             if not isinstance(value, torch.Tensor):
                 return Entry(local_key, key, path, "object", value, rank_local=is_local)
         if value.layout is not _STRIDED or value.is_quantized or value.is_nested:  # the last two strided too
-            if self.stored is None or key in self.stored:
-                saved = getattr(self.stored[key], "properties", None) if self.stored is not None else None
-                if saved is not None and value.is_quantized:  # an old checkpoint's integers: says how to read them
-                    quantized_record_fits(key, saved.dtype, tuple(self.stored[key].size), value.dtype)
+            stored = self.stored
+            if stored is None or key in stored:
+                saved: Any = stored[key] if stored is not None else None
+                if value.is_quantized and hasattr(saved, "properties"):  # an old checkpoint's integers: how to read
+                    quantized_record_fits(key, saved.properties.dtype, tuple(saved.size), value.dtype)
                 raise not_plain(key, value)
             # a load's destination the checkpoint lacks is never read: missing (allow_partial_load, optional=)
             # as any other key, not refused (rev69f F3); an object entry asks nothing of its tensor

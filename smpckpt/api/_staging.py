@@ -275,7 +275,9 @@ class Stager:
         if device.type == "meta":
             raise no_data(prefix[:-1], t)
         try:
-            where = (device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
+            where: tuple[Any, ...] | None = (
+                (device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
+            )
         except RuntimeError:
             if t.layout is not _STRIDED or t.is_nested:
                 raise not_plain(prefix[:-1], t) from None

@@ -59,6 +59,9 @@ if TYPE_CHECKING:
 
 __all__ = ["FsspecStorageReader", "ReadStats", "FullArtifactReader"]
 
+#: quantized dtypes whose records (saved before they were refused) hold integers a plain tensor reads
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32})
+
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +372,9 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         sizes = chunks[at].sizes
         # a quantized record (saved before they were refused) holds its integers: read as those (rev69f F2)
         dtype = md.properties.dtype
-        return stored_integers(dtype) or dtype, sizes if isinstance(sizes, tuple) else tuple(sizes)
+        if dtype in _QUANTIZED:
+            dtype = stored_integers(dtype) or dtype
+        return dtype, sizes if isinstance(sizes, tuple) else tuple(sizes)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         def key(it: ReadItem) -> tuple[str, int]:

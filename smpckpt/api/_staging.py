@@ -61,6 +61,19 @@ def _bits(t: torch.Tensor) -> tuple[bool, bool]:
     return t.is_conj(), t.is_neg()
 
 
+def _subclass_copy(t: torch.Tensor, seen: dict[tuple[Any, ...], Any]) -> torch.Tensor:
+    """A DTensor's (or another subclass's) copy on its own device, now; one DTensor under two keys (a tied
+    head) stays one copy, so the tie is recorded as by a synchronous save."""
+    local = getattr(t, "_local_tensor", None)
+    if local is None or not local.numel():
+        return t.clone()
+    placed = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride(), _bits(local))
+    twin = (placed, tuple(t.shape), tuple(getattr(t, "placements", ())), id(getattr(t, "device_mesh", None)))
+    if twin not in seen:
+        seen[twin] = t.clone()
+    return seen[twin]
+
+
 def owned_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple[str, int]]:
     """The storages the optimizers' ``step`` writes: their parameters' and their state tensors'."""
     out = set()
@@ -236,7 +249,7 @@ class Stager:
         deferred: set[tuple[str, int]],
         now: list[Pair],
         later: list[Pair],
-        seen: dict[tuple[Any, ...], Any],  # a DTensor's copy, or a plain tensor's (buffer, source)
+        seen: dict[tuple[Any, ...], Any],  # a DTensor's copy, or a plain tensor's (key, source, buffer)
     ) -> Any:
         if isinstance(state, dict):
             return {k: self._walk(v, f"{prefix}{k}.", deferred, now, later, seen) for k, v in state.items()}
@@ -246,33 +259,13 @@ class Stager:
             return state
         t = state.detach()
         if not (type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)):
-            # DTensor and other subclasses: a copy on their own device, now; one DTensor under two keys
-            # (a tied head) stays one copy, so the tie is recorded as by a synchronous save
-            local = getattr(t, "_local_tensor", None)
-            if local is None or not local.numel():
-                return t.clone()
-            placed = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride(), _bits(local))
-            twin = (placed, tuple(t.shape), tuple(getattr(t, "placements", ())), id(getattr(t, "device_mesh", None)))
-            if twin not in seen:
-                seen[twin] = t.clone()
-            return seen[twin]
-        return self._plain(t, prefix, deferred, now, later, seen)
-
-    def _plain(
-        self,
-        t: torch.Tensor,
-        prefix: str,
-        deferred: set[tuple[str, int]],
-        now: list[Pair],
-        later: list[Pair],
-        seen: dict[tuple[Any, ...], Any],
-    ) -> torch.Tensor:
-        """``t``'s host buffer (a plain tensor's, or a Parameter's), its copy queued in ``now`` or ``later``."""
+            return _subclass_copy(t, seen)
         # a tensor staging cannot copy is refused by key before a buffer is made: the copy failed in torch's
         # words (rev69f F5). Checked where it costs nothing per key: sparse and nested tensors have no data
         # pointer or strides (raising here), a quantized one never has a buffer of its dtype (checked below)
         device = t.device
-        if device.type == "meta":
+        kind = device.type
+        if kind == "meta":
             raise no_data(prefix[:-1], t)
         try:
             where: tuple[Any, ...] | None = (
@@ -290,21 +283,22 @@ class Stager:
             hit = seen.get(where)
             if hit is not None:
                 if _bits(hit[1]) == _bits(t):
-                    return hit[0]
+                    return hit[2]
                 where += _bits(t)  # a conjugate or negated twin: its own buffer, shared by its own twins
                 hit = seen.get(where)
                 if hit is not None:
-                    return hit[0]
-        cuda = device.type == "cuda"
+                    return hit[2]
+        cuda = kind == "cuda"
         pinned, buf = self._previous.get(prefix, (cuda, None))
         if buf is None or pinned != cuda or buf.shape != t.shape or buf.dtype != t.dtype:
             if t.layout is not _STRIDED or t.is_quantized or t.is_nested:  # an empty one reaches here too
                 raise not_plain(prefix[:-1], t)
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
         self._buffers[prefix] = (cuda, buf)
-        (later if _storage_key(t) in deferred else now).append((prefix[:-1], t, buf))
+        pair = (prefix[:-1], t, buf)
+        (later if _storage_key(t) in deferred else now).append(pair)
         if where is not None:
-            seen[where] = (buf, t)  # its source for the bits (a twin's key adds them)
+            seen[where] = pair  # its source for the bits (a twin's key adds them); no tuple more per key
         return buf
 
     def nbytes(self) -> int:

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from smpckpt._checks import check_process_group
-from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_plain
+from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_plain, quantized_record_fits
 from smpckpt.model.layout import RESERVED, KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 from smpckpt.storage.format._safe_pickle import ViewFile, decode_object, encode_object
@@ -228,8 +228,11 @@ class _EntryMaker:
         by_global: Mapping[str, Any],
         coords: RankCoords,
         layout: ParallelLayout,
+        stored: Mapping[str, Any] | None,
     ) -> None:
         self.rules = rules
+        #: a load's checkpoint keys (``None`` at a save): a destination not plain is refused only where read
+        self.stored = stored
         self.prefixes = prefixes
         self.by_global = by_global
         self.coords = coords
@@ -250,7 +253,15 @@ class _EntryMaker:
             if not isinstance(value, torch.Tensor):
                 return Entry(local_key, key, path, "object", value, rank_local=is_local)
         if value.layout is not _STRIDED or value.is_quantized or value.is_nested:  # the last two strided too
-            raise not_plain(key, value)
+            stored = self.stored
+            if stored is None or key in stored:
+                saved: Any = stored[key] if stored is not None else None
+                if value.is_quantized and hasattr(saved, "properties"):  # an old checkpoint's integers: how to read
+                    quantized_record_fits(key, saved.properties.dtype, tuple(saved.size), value.dtype)
+                raise not_plain(key, value)
+            # a load's destination the checkpoint lacks is never read: missing (allow_partial_load, optional=)
+            # as any other key, not refused (rev69f F3); an object entry asks nothing of its tensor
+            return Entry(local_key, key, path, "object", value, rank_local=is_local)
         matched = None if is_local else self.rules.match(key, self.prefixes)
         shape = value.shape  # read once: every branch below needs it
         if matched is not None:
@@ -365,10 +376,13 @@ class LayoutScope:
         self._rank_local = compile_globs(self._rank_local_globs)
         self._held = SpecRules.of(dict.fromkeys(self._held_globs, ShardSpec(0)), also_under=self.rules.also_under)
 
-    def _resolve(self, state_dict: Mapping[str, Any]) -> tuple[dict[str, Entry], dict[str, tuple[Any, ...]]]:
+    def _resolve(
+        self, state_dict: Mapping[str, Any], stored: Mapping[str, Any] | None = None
+    ) -> tuple[dict[str, Entry], dict[str, tuple[Any, ...]]]:
         """(all ranks, in set_up_planner) Set this rank -- explicit, else the process group's, else 0 -- and
         resolve its state dict against the layout: the entries, and each key's flatten path for the
-        checkpoint's record, by global key."""
+        checkpoint's record, by global key. ``stored``: a load's checkpoint keys (its destinations that are not
+        plain tensors are refused only under them)."""
         layout, rank = self.layout, self._rank_arg
         if rank is None:
             if dist.is_available() and dist.is_initialized():
@@ -397,7 +411,7 @@ class LayoutScope:
             str(p[0]): 0 for k, p in local_paths.items() if len(p) > 1 and not k.startswith(OPTIMIZER_STATE_PREFIXES)
         }
         prefixes = tuple(tops)
-        entry = _EntryMaker(self.rules, prefixes, by_global, coords, layout).entry
+        entry = _EntryMaker(self.rules, prefixes, by_global, coords, layout, stored).entry
         rank_local, held, self.held_keys, self.held_split = self._rank_local, self._held, [], []
         for local_key, value in flat.items():
             key = local_key

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Mapping, Set
 from typing import Any
 
@@ -24,7 +25,7 @@ def check_destination(key: str, value: torch.Tensor, stored: bool) -> None:
     if value.device.type == "meta":
         raise SpecError(f"{key}: destination is on the meta device; allocate it before loading")
     strides = value.stride()
-    if stored and 0 in strides and any(st == 0 and n > 1 for n, st in zip(value.shape, strides)):
+    if stored and 0 in strides and value.numel() > 0 and any(st == 0 and n > 1 for n, st in zip(value.shape, strides)):
         raise SpecError(
             f"{key}: the destination (shape {tuple(value.shape)}, strides {strides}) is an expanded view: "
             "several of its elements are one memory location, which a load cannot give different values; load "
@@ -166,6 +167,29 @@ def _overlapping(spans: list[tuple[int, int, str]]) -> list[list[tuple[int, int,
     return groups
 
 
+def _conjugate_twin(entries: Mapping[str, Entry], key: str, first: str) -> bool:
+    """Whether destination ``key``, which the checkpoint records as a tie of ``first``, is the conjugate or
+    negated view of ``first``'s destination (the same memory, other bits): smpckpt before c4a7f4e recorded such
+    a pair as a tie and stored ``first`` alone. ``key`` is then left out of the load (``first``'s memory holds
+    its values: it loads as it did then), with a warning naming both; reading it too would refuse the pair as
+    memory holding two values (rev69f F1)."""
+    a, b = entries[key], entries.get(first)
+    if b is None or a.kind == "object" or b.kind == "object" or a.chunk is None or b.chunk is None:
+        return False
+    u, v = a.value, b.value
+    if not u.numel() or (u.is_conj(), u.is_neg()) == (v.is_conj(), v.is_neg()):
+        return False
+    if (u.device, u.data_ptr(), u.dtype, u.shape, u.stride()) != (v.device, v.data_ptr(), v.dtype, v.shape, v.stride()):
+        return False
+    warnings.warn(
+        f"{key}: the checkpoint records it as a tie of {first} (saved by smpckpt before conjugate and negated views "
+        f"were told apart), and its destination is a conjugate or negated view of {first}'s memory: {first} alone "
+        f"is loaded, {key} showing it through its view as when it was saved; save again to store both",
+        stacklevel=2,
+    )
+    return True
+
+
 class TiedLoads:
     """One load's tied keys: where each is read from, and the comparisons of values held apart."""
 
@@ -259,8 +283,11 @@ class TiedLoads:
         # a key absent from the checkpoint is read from another only as an alias it lists: those looked up,
         # not every key (rev62k F2)
         for key in saved_tied:
-            if key in entries and key not in self.through and key not in md_all:
-                if (source := stored(key)) is not None:
+            if key in entries and key not in self.through:
+                if _conjugate_twin(entries, key, saved_tied[key]):  # an old checkpoint's conj "tie": as loaded then
+                    self.through[key] = saved_tied[key]
+                    self.covered += [key] if key in md_all else []
+                elif key not in md_all and (source := stored(key)) is not None:
                     self.sources[key] = source
         if names:
             self._optimizer_state(names, entries, md_all, rank)

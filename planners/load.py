@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 
 from smpckpt._gc import gc_paused
-from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, UnsafeCheckpoint
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, UnsafeCheckpoint, quantized_record_fits
 from smpckpt.model.layout import (
     RESERVED,
     KeyMapper,
@@ -158,7 +158,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         checkpoint's :class:`~smpckpt.model.layout.LayoutRecord`."""
         if metadata is None:
             raise CheckpointCorrupt("the storage reader returned no checkpoint metadata")
-        self.entries, _ = self._resolve(state_dict)
+        self.entries, _ = self._resolve(state_dict, metadata.state_dict_metadata)
         for entry in self.entries.values():
             if entry.kind != "object":
                 check_destination(entry.key, entry.value, entry.key in metadata.state_dict_metadata)
@@ -382,7 +382,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 + self._reshape_hint(entry, md)
             )
         saved = md.properties.dtype
-        if saved != entry.value.dtype:
+        fits = quantized_record_fits  # an old checkpoint's quantized integers: read as they are, or refused
+        if saved != entry.value.dtype and not fits(entry.key, saved, tuple(md.size), entry.value.dtype):
             if not self.allow_dtype_cast:
                 raise LayoutMismatch(
                     f"{entry.key}: saved as {saved} but the destination is {entry.value.dtype} "

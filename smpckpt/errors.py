@@ -81,13 +81,52 @@ def not_plain(key: str, value: torch.Tensor) -> SpecError:
         )
     if not value.is_quantized:
         return not_dense(key, value.layout, tuple(value.shape))
+    try:
+        scheme = f", {value.qscheme()}"
+    except RuntimeError:  # a quantized tensor without a quantizer (torch.empty(3, dtype=torch.qint8)) has none
+        scheme = ""
     return SpecError(
-        f"{key}: a quantized tensor ({value.dtype}, {value.qscheme()}, shape {tuple(value.shape)}) cannot be saved "
+        f"{key}: a quantized tensor ({value.dtype}{scheme}, shape {tuple(value.shape)}) cannot be saved "
         "or loaded: its scale and zero-point would not be restored (a load copies its integers into the "
         "destination's own quantization); store .dequantize(), or .int_repr() and its q_scale() and q_zero_point() "
         "(per channel: q_per_channel_scales(), q_per_channel_zero_points(), q_per_channel_axis()) as entries of "
         "their own and quantize again after the load; a quantized model's state_dict() passed in user_content "
         "keeps them"
+    )
+
+
+#: the quantized dtypes by name (this module does not import torch): a checkpoint's record of one holds its
+#: integers alone
+_QUANTIZED = frozenset({"torch.qint8", "torch.quint8", "torch.qint32", "torch.quint4x2", "torch.quint2x4"})
+
+
+def stored_integers(dtype: torch.dtype) -> torch.dtype | None:
+    """The integer dtype whose bits a checkpoint's record of quantized ``dtype`` holds (``None``: not one of
+    those): smpckpt before quantized tensors were refused stored their integers alone, under the quantized
+    dtype; a destination of this dtype reads them back as they are (old checkpoints keep loading)."""
+    import torch  # noqa: PLC0415 - loaded already by whoever holds a dtype
+
+    return {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.qint32: torch.int32}.get(dtype)
+
+
+def quantized_record_fits(key: str, saved: torch.dtype, shape: tuple[int, ...], dest: torch.dtype) -> bool:
+    """Whether a destination of ``dest`` reads a checkpoint's record of ``saved`` as its bits: a quantized
+    record's integers (saved by smpckpt before quantized tensors were refused) fit the integer dtype they are,
+    any other destination is refused saying so (raised); ``False`` for a record of another dtype (rev69f F2)."""
+    if str(saved) not in _QUANTIZED:
+        return False
+    integers = stored_integers(saved)
+    if integers is not None and integers == dest:
+        return True
+    how = (
+        f"load it into a {integers} tensor of shape {shape} (the same bits) and quantize again with the scale and "
+        "zero-point the model had (torch._make_per_tensor_quantized_tensor(ints, scale, zero_point))"
+        if integers is not None
+        else "it cannot be read back (packed sub-byte integers): re-create it from the model's source"
+    )
+    raise LayoutMismatch(
+        f"{key}: the checkpoint holds a quantized tensor's integers ({saved}, saved by smpckpt before quantized "
+        f"tensors were refused; its scale and zero-point were not saved), but the destination is {dest}: {how}"
     )
 
 

@@ -150,3 +150,12 @@ def test_an_expanded_destination_is_refused_naming_the_key_unless_nothing_is_rea
     kept = torch.ones(1).expand(3)
     _load(tmp_path / "c", {"a": torch.zeros(2, 4), "b": kept}, allow_partial_load=True)
     assert torch.equal(kept, torch.ones(3))
+
+
+def test_an_expanded_destination_without_elements_loads(tmp_path: Path) -> None:
+    """rev69f F4: ``torch.zeros(0, 1).expand(0, 5)`` has no two elements at one location (it has none): it
+    resumed before the expanded-view check, then was refused."""
+    _save(tmp_path / "c", {"e": torch.zeros(0, 5), "a": torch.arange(3.0)})
+    state = {"e": torch.zeros(0, 1).expand(0, 5), "a": torch.zeros(3)}
+    _load(tmp_path / "c", state)
+    assert torch.equal(state["a"], torch.arange(3.0)) and state["e"].shape == (0, 5)

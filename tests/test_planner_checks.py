@@ -480,6 +480,33 @@ def test_quantized_tensors_are_refused_naming_the_key(tmp_path, key):
     assert "SpecError" in str(info.value)
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("how", [{"allow_partial_load": True}, {"optional": ["extra.*"]}])
+def test_a_destination_not_plain_the_checkpoint_lacks_is_missing_not_refused(how):
+    """rev69f F3: a quantized or nested destination key the checkpoint does not hold is never read: a partial
+    load (optional= too) skipped it before the not-plain refusal, then refused it; one it holds stays refused."""
+    store, _ = save([{"w": torch.arange(4.0)}], ParallelLayout())
+    quantized = torch.quantize_per_tensor(torch.ones(4), 0.5, 0, torch.qint8)
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    state = {"w": torch.zeros(4), "extra": {"q": quantized, "n": nested}}
+    planner = load([state], ParallelLayout(), store, **how)[0]
+    assert torch.equal(state["w"], torch.arange(4.0)) and torch.equal(
+        state["extra"]["q"].int_repr(), torch.full((4,), 2, dtype=torch.int8)
+    )
+    assert planner.report is not None
+    assert set(planner.report.missing_keys + planner.report.skipped_optional) == {"extra.q", "extra.n"}
+    with pytest.raises(SpecError, match=r"w: a quantized tensor"):
+        load([{"w": quantized}], ParallelLayout(), store, allow_partial_load=True)
+
+
+def test_a_quantized_tensor_without_a_quantizer_is_refused_by_name():
+    """rev69f F6: ``torch.empty(3, dtype=torch.qint8)`` has no quantizer: the refusal's ``qscheme()`` raised
+    torch's internal assert instead of it."""
+    with pytest.raises(SpecError, match=r"q: a quantized tensor \(torch\.qint8, shape \(3,\)\) cannot be saved"):
+        save([{"q": torch.empty(3, dtype=torch.qint8)}], ParallelLayout())
+
+
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_channel")
 def test_a_quantized_model_is_refused_by_key_and_its_state_in_user_content_resumes_exactly(tmp_path):
     """A converted quantized Conv2d (per-channel qint8 weight) resumed into a fresh one had other weights and
@@ -530,3 +557,31 @@ def test_a_meta_tensor_reaching_a_writer_is_refused_naming_the_key(tmp_path, how
     with pytest.raises(BaseException, match=r"m: a meta tensor \(shape \(3, 2\), torch\.float32\) has no data") as info:
         dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
     assert "SpecError" in str(info.value)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_a_checkpoint_saved_with_quantized_tensors_still_loads_their_integers():
+    """rev69f F2: tests/data/quantized_v0 (smpckpt 55b1992 stored a quantized tensor's integers under its
+    quantized dtype) became unreadable once quantized tensors were refused: a destination of the matching
+    integer dtype reads them bit-exact; a quantized or float destination is refused saying how."""
+    import pathlib
+
+    from smpckpt.storage import FsspecStorageReader
+
+    folder = str(pathlib.Path(__file__).parent / "data" / "quantized_v0" / "t_partial")
+    # make_quantized_conj_v0.py's buffers' int_repr()
+    want = {"model.q8": [-3, 4, 7, 18], "model.qu8": [28, 42, 48, 70], "model.q32": [-13, -6, -3, 8]}
+    state = {
+        "model.q8": torch.zeros(4, dtype=torch.int8),
+        "model.qu8": torch.zeros(4, dtype=torch.uint8),
+        "model.q32": torch.zeros(4, dtype=torch.int32),
+    }
+    planner = ParallelLoadPlanner(ParallelLayout(), allow_partial_load=True)
+    dcp.load(state, storage_reader=FsspecStorageReader(folder), planner=planner, no_dist=True)
+    for key, value in state.items():
+        assert torch.equal(value, torch.tensor(want[key], dtype=value.dtype)), key
+    said = r"model\.q8: the checkpoint holds a quantized tensor's integers \(torch\.qint8.*into a torch\.int8 tensor"
+    for dest in (torch.zeros(4), torch.quantize_per_tensor(torch.zeros(4), 0.5, 3, torch.qint8)):
+        planner = ParallelLoadPlanner(ParallelLayout(), allow_partial_load=True, allow_dtype_cast=True)
+        with pytest.raises(BaseException, match=said):
+            dcp.load({"model.q8": dest}, storage_reader=FsspecStorageReader(folder), planner=planner, no_dist=True)

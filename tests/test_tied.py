@@ -796,3 +796,19 @@ def test_an_hf_head_that_is_a_conjugate_view_of_its_embedding_is_not_tied() -> N
 
     embed = _C.clone().reshape(3, 1)
     assert _tied(embed, embed) and not _tied(embed.conj(), embed) and not _tied(embed.imag, embed.conj().imag)
+
+
+def test_an_old_checkpoint_tying_a_conjugate_view_to_its_base_resumes_as_it_did(tmp_path: Path) -> None:
+    """rev69f F1: tests/data/conj_v0 (smpckpt 55b1992 recorded ``wc = w.conj()`` as a tie of ``w``, storing ``w``)
+    resumed into the same model was refused once conjugate views were told apart (memory holding two values):
+    ``w`` alone loads, ``wc`` shows it through its view as when it was saved, and a warning names both."""
+    import shutil
+
+    shutil.copytree(Path(__file__).parent / "data" / "conj_v0", tmp_path / "c")
+    dst = nn.Module()
+    dst.w = nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    dst.register_buffer("wc", dst.w.detach().conj())
+    with pytest.warns(UserWarning, match=r"model\.wc: the checkpoint records it as a tie of model\.w .*conjugate"):
+        smpckpt.resume_from_checkpoint(str(tmp_path / "c"), "t", model=dst)
+    saved = torch.tensor([1 + 2j, -3 + 0.5j, 4 - 1j])  # make_quantized_conj_v0.py's Conj.w
+    assert torch.equal(dst.w.detach(), saved) and torch.equal(dst.wc.resolve_conj(), saved.conj())

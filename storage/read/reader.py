@@ -30,7 +30,7 @@ from torch.futures import Future
 
 from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
-from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, not_plain
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, not_plain, stored_integers
 from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import (
     FsspecLocation,
@@ -58,6 +58,9 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = ["FsspecStorageReader", "ReadStats", "FullArtifactReader"]
+
+#: quantized dtypes whose records (saved before they were refused) hold integers a plain tensor reads
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32})
 
 
 log = logging.getLogger(__name__)
@@ -367,7 +370,11 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         # the chunk's own sizes (a torch.Size), not a copy per item: the copies, kept by the items until the
         # reads were delivered, set off young collections mid-read (tests/test_gc_pauses.py)
         sizes = chunks[at].sizes
-        return md.properties.dtype, sizes if isinstance(sizes, tuple) else tuple(sizes)
+        # a quantized record (saved before they were refused) holds its integers: read as those (rev69f F2)
+        dtype = md.properties.dtype
+        if dtype in _QUANTIZED:
+            dtype = stored_integers(dtype) or dtype
+        return dtype, sizes if isinstance(sizes, tuple) else tuple(sizes)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         def key(it: ReadItem) -> tuple[str, int]:

@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 import torch
 from async_workers import (
+    destroyed_under_a_background_save,
     model,
+    reused_after_the_group_was_made_again,
     training_loop_while_saving,
 )
 from dist_harness import run_world
@@ -399,3 +401,48 @@ def test_dcp_async_save_process_mode_with_our_planner_and_writer(tmp_path: Any) 
     from async_workers import dcp_process_mode
 
     assert run_world(dcp_process_mode, 2, str(tmp_path), timeout=180) == [True, True]
+
+
+def test_a_background_save_whose_process_group_was_destroyed_says_so(tmp_path: Any) -> None:
+    """hunt69b F2: destroy_process_group() with an async save in flight (no wait()) failed it with "dcp.save's
+    world has 1 ranks but the layout ... describes 2"; the error now names the destroyed group and the fix."""
+    root = str(tmp_path / "ckpt")
+    for got in run_world(destroyed_under_a_background_save, 2, root, timeout=120):
+        assert got["said"].startswith("CheckpointError: saving checkpoint 'b'"), got
+        assert "the process group was destroyed (destroy_process_group()) while it ran" in got["said"], got
+        assert "before destroy_process_group()" in got["said"] and got["newest"] == "a", got
+
+
+def test_a_checkpointer_reused_after_its_process_group_was_made_again_says_build_a_new_one(tmp_path: Any) -> None:
+    """hunt69b F3: after destroy_process_group() and init_process_group() again, the same Checkpointer's saves
+    failed with torch's "Group ... is not registered"; now refused by name (build a new Checkpointer), while a
+    new one, and the smp face (which builds one itself), save on."""
+    root, init = str(tmp_path / "ckpt"), str(tmp_path / "init2")
+    for got in run_world(reused_after_the_group_was_made_again, 2, root, init, timeout=120):
+        assert got["said"].startswith("CheckpointError: rank "), got
+        assert "process group destroyed since it was built" in got["said"], got
+        assert "build a new Checkpointer after init_process_group()" in got["said"], got
+        assert got["newest"] == ["c", "b"], got
+
+
+_ODD = {
+    "quantized": (lambda: torch.quantize_per_tensor(torch.tensor([0.5, -1.0]), 0.05, 0, torch.qint8), "a quantized"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "a nested tensor"),
+    "meta": (lambda: torch.empty(3, device="meta"), "a meta tensor"),
+    "sparse": (lambda: torch.eye(3).to_sparse(), "a torch.sparse_coo tensor"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("kind", sorted(_ODD))
+def test_an_async_save_refuses_a_tensor_it_cannot_stage_by_key(tmp_path, kind: str, overlap: bool) -> None:
+    """rev69f F5: staging copied a quantized, nested, meta or sparse tensor first and failed in torch's words,
+    naming no key; refused by key (as a synchronous save refuses it) before any buffer is made."""
+    make, said = _ODD[kind]
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("odd", make())
+    options = smpckpt.AsyncOptions(enabled=True, overlap_staging=overlap)
+    with pytest.raises(smpckpt.SpecError, match=rf"model\.odd: {said}"):
+        with smpckpt.Checkpointer(str(tmp_path), async_options=options) as ck:
+            ck.save("t", model).result()

@@ -6,7 +6,8 @@ if __name__ != "smpckpt.planners":
         "(install the project with `pip install -e .`)"
     )
 
-from smpckpt.planners._entries import ObjectBytes, dtensor_layout, likely_causes, module_note
+from smpckpt.planners._entries import ObjectBytes, dtensor_layout
+from smpckpt.planners._key_notes import likely_causes, module_note
 from smpckpt.planners.load import LoadReport, ParallelLoadPlanner
 from smpckpt.planners.save import ObjectBuffer, ParallelSavePlanner, SaveReport
 

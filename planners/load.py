@@ -54,18 +54,14 @@ from smpckpt.planners._entries import (
     LayoutScope,
     ObjectBytes,
     compile_globs,
-    likely_causes,
-    module_note,
-    nesting_mismatches,
     number_as_tensor,
     read_object,
     set_at_path,
     tensor_as_number,
     tied_entries,
 )
-from smpckpt.planners._entries import (
-    show_keys as _show,
-)
+from smpckpt.planners._key_notes import likely_causes, module_note, nesting_mismatches
+from smpckpt.planners._key_notes import show_keys as _show
 from smpckpt.planners._shared_memory import SharedMemoryLoads, TiedLoads, check_destination
 from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
 

@@ -431,7 +431,7 @@ def test_a_partition_that_does_not_match_the_stages_layers_is_refused_on_load():
 def test_likely_causes_fire_only_on_their_own_patterns() -> None:
     """rev61g F5: a model buffer named ``initial_lr`` got the scheduler hint, and smpckpt's own flattened keys
     of a top-level ParameterList (``optim.param_groups.0.lr``) the "unflattened" one."""
-    from smpckpt.planners._entries import likely_causes
+    from smpckpt.planners._key_notes import likely_causes
 
     assert likely_causes(["model.initial_lr"], []) == ""
     assert "LR scheduler" in likely_causes(["optim.param_groups.weight.initial_lr"], [])

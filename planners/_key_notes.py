@@ -1,0 +1,72 @@
+"""The words of a refused or partial load: what a list of missing or unexpected keys most likely means
+(an LR scheduler's ``initial_lr``, optimizer state saved unflattened, a container saved the other way,
+``module.`` added by a wrapper). Error paths only: nothing here runs on a load that succeeds."""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Container, Iterable, Mapping, Sequence, Set
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from smpckpt.model.layout import RESERVED
+from smpckpt.planners._entries import SHOW
+
+__all__ = ["likely_causes", "nesting_mismatches", "module_note", "show_keys"]
+
+
+def likely_causes(keys: Sequence[str], saved: Iterable[str], asked: Set[str] = frozenset()) -> str:
+    """(error path) The common causes of a long list of missing or unexpected keys, when they match (``saved``:
+    the checkpoint's keys, or those of them no rank loads; ``asked``: the keys loaded, ``keys`` unexpected)."""
+    notes = []
+    if any(k.rsplit(".", 1)[-1] == "initial_lr" and "param_groups." in k for k in keys):
+        notes.append(
+            "an LR scheduler adds initial_lr to the param groups when it is built: build it before the resume exactly when the saving run had built it before the save"
+        )
+    if any(re.search(r"(^|\.)param_groups\.\d+\.params$", k) for k in saved):  # groups listing their params
+        notes.append(
+            "the checkpoint holds optimizer state unflattened (param_groups a list, as stock DCP's get_state_dict gives by default): save it with StateDictOptions(flatten_optimizer_state_dict=True)"
+        )
+    owners = {k[len(at) :].rpartition(".")[0] for k in keys if k.startswith(at := f"{RESERVED.optim}.param_groups.")}
+    if out := sorted(f for f in owners if f"{RESERVED.model}.{f}" in asked):  # loaded, their groups not: in none
+        notes.append(
+            f"parameter(s) {', '.join(out[:8])}{' ...' if len(out) > 8 else ''} were in a saved optimizer (the checkpoint holds their param groups and any state) but are in no optimizer passed now (frozen and left out of it?): pass the optimizer over them as saved (steps skip a frozen parameter, its state is kept), or resume with strict=False to leave their optimizer state unloaded"
+        )
+    return "; likely cause: " + "; ".join(notes) if notes else ""
+
+
+def nesting_mismatches(missing: Sequence[str], saved: Mapping[str, Any]) -> str:
+    """(error path) Missing keys the checkpoint holds nested the other way, said as such: a dict saved
+    under ``x`` is stored as ``x.a``, ``x.b`` (DCP flattens it), so a tensor asked for as ``x`` would
+    otherwise be called absent, and ``x.a`` asked of a checkpoint holding ``x`` whole likewise."""
+    keys = sorted(saved)
+    notes = []
+    for key in missing:
+        # the keys under ``key.``: one run of the sorted keys, ending before ``key/`` ("/" follows ".")
+        under = keys[bisect.bisect_left(keys, f"{key}.") : bisect.bisect_left(keys, f"{key}/")]
+        parts = key.split(".")
+        whole = next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in saved), None)
+        if under:
+            notes.append(f"{key}: the checkpoint holds a container there (keys {show_keys(under)}), not one value")
+        elif whole is not None:
+            what = "an object" if isinstance(saved[whole], BytesStorageMetadata) else "a tensor"
+            notes.append(f"{key}: the checkpoint holds {whole!r} whole ({what}), not a container of keys under it")
+    return "; " + "; ".join(notes[:SHOW]) if notes else ""
+
+
+def module_note(missing: Sequence[str], saved: Container[str]) -> str:
+    """(error path) A missing model key ``saved`` holds with ``module.`` added or removed (nn.DataParallel's)."""
+    m, why = f"{RESERVED.model}.", "saved or resumed inside a wrapper holding the model as `module`"
+    for k in missing:
+        added, removed = f"{m}module.{k[len(m) :]}", f"{m}{k[len(m) + 7 :]}" if k.startswith(f"{m}module.") else ""
+        if k.startswith(m) and (added in saved or removed in saved):
+            return f"; {k}: the checkpoint holds it with module. added or removed ({why}: nn.DataParallel, AveragedModel, ...): resume it wrapped as saved, or map the keys with Sharding(name_map=...)"
+    return ""
+
+
+def show_keys(keys: Sequence[str]) -> str:
+    """(error path) The first :data:`SHOW` of ``keys``, and how many more."""
+    shown = ", ".join(keys[:SHOW])
+    return shown + (f", ... ({len(keys) - SHOW} more)" if len(keys) > SHOW else "")

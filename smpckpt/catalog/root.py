@@ -200,6 +200,7 @@ class SequenceCounter:
         self._drawn, self._tag, self.job = 0, "", ""  #: this job's last save's number (a guarded draw), tag, identity
         self._first = self._last = self._accepted = 0  #: its first save's number; its last draw's (exports too);
         # the highest number of a checkpoint this job saved or resumed: another job's above it is not its history
+        self._saves = 0  #: the highest number of a checkpoint seen or saved (an export's not: a roll-back's range)
         self.abandoned: tuple[tuple[int, int], ...] = ()  #: what this job's history abandoned (roll-backs)
         self.manifests = ManifestCache()  #: the root's committed records this job read (its listings reuse them)
         self.offline = False  #: (a tiered save, the root unreachable) numbered from what it saw, listed later
@@ -232,7 +233,7 @@ class SequenceCounter:
         """A checkpoint numbered ``seq`` exists under the root; ``listed``: the highest of a whole listing."""
         with self._lock:
             if 0 <= seq < _MAX:
-                self._highest = max(self._highest, seq)
+                self._highest, self._saves = max(self._highest, seq), max(self._saves, seq)
             self._listed = self._listed or listed
 
     def next(self, job: str = "", guard: bool = True) -> int:
@@ -270,9 +271,10 @@ class SequenceCounter:
             self._highest = self._last = self._highest + 1
             if not guard:  # an export: the history (roll-back, a late predecessor) is its next save's (rev69i 2)
                 return self._last
-            if self._parent is not None and self._highest - 1 > self._parent:  # a roll-back: numbered past others
-                self.abandoned = ((self._parent + 1, self._highest - 1), *self.abandoned)[:_RANGES]
+            if self._parent is not None and self._saves > self._parent:  # a roll-back: numbered past others
+                self.abandoned = ((self._parent + 1, self._saves), *self.abandoned)[:_RANGES]
             self._parent, self._drawn, self._accepted = None, self._highest, self._highest
+            self._saves = self._highest
             self._first = self._first or self._highest
             return self._highest
 
@@ -326,10 +328,10 @@ class SequenceCounter:
         """What ``other`` (the counter of the Checkpointer this one's replaces, of the same root) knew."""
         with other._lock:
             state = other._highest, other._listed, other.read, other._parent, other.abandoned, other._drawn, other._tag
-            more = other._from, other._unseen, other._first, other._last, other._accepted
+            more = other._from, other._unseen, other._first, other._last, other._accepted, other._saves
         with self._lock:
             self._highest, self._listed, self.read, self._parent, self.abandoned, self._drawn, self._tag = state
-            self._from, self._unseen, self._first, self._last, self._accepted = more
+            self._from, self._unseen, self._first, self._last, self._accepted, self._saves = more
         self.manifests = other.manifests
 
     def record(self, tag: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["check_flag", "check_int", "check_process_group", "refuse_unflattenable"]
+__all__ += ["validate_tag", "is_valid_tag", "PARTIAL_SUFFIX"]  # (re-exported by smpckpt.catalog.root)
 
 
 def check_flag(name: str, value: Any) -> bool:
@@ -73,3 +74,51 @@ def _first_odd(tree: Mapping[Any, Any], kinds: tuple[type, ...]) -> tuple[list[A
         if found is not None:
             return [key, *found[0]], found[1]
     return None
+
+
+#: the suffix of partial checkpoint folders: no tag may end in it
+PARTIAL_SUFFIX = "_partial"
+#: Longest tag in UTF-8 bytes: ``{tag}_partial`` must fit one path component (255 bytes on common
+#: filesystems) with room to spare; checked up front so a long tag never fails half-way through a save.
+_MAX_TAG_BYTES = 200
+#: Characters a tag may hold besides letters and digits. Deliberately no glob characters (``* ? [ ] { } !``),
+#: no separators, no spaces: a tag ends up in fsspec calls and S3 keys, and some backends expand globs.
+_TAG_PUNCTUATION = frozenset("._-+=@,")
+
+
+def validate_tag(tag: Any) -> str:
+    """Return ``tag`` if it is usable as a checkpoint tag (the README's rules: letters, digits and
+    ``. _ - + = @ ,``, starting with a letter or digit, no ``..``, not ending in ``_partial``, at most 200
+    bytes in UTF-8), else raise :class:`ValueError`, on every backend alike, before anything is written."""
+    if not isinstance(tag, str):
+        raise ValueError(f"checkpoint tag must be a str, got {type(tag).__name__}")
+    problem = _tag_problem(tag)
+    if problem:
+        raise ValueError(f"invalid checkpoint tag {tag[:80]!r}: {problem}")
+    return tag
+
+
+def _tag_problem(tag: str) -> str | None:
+    if not tag:
+        return "it is empty"
+    bad = sorted({c for c in tag if not (c.isalnum() or c in _TAG_PUNCTUATION)})
+    if bad:
+        shown = "".join(bad[:10])
+        return (
+            f"it contains {shown!r}; a tag may hold only letters, digits and "
+            f"{''.join(sorted(_TAG_PUNCTUATION))!r} (no path separators, whitespace, control or glob characters)"
+        )
+    if not tag[0].isalnum():
+        return "it must start with a letter or digit"
+    if ".." in tag:
+        return "it contains '..'"
+    if tag.endswith(PARTIAL_SUFFIX):
+        return f"it ends in {PARTIAL_SUFFIX!r}, the suffix of partial checkpoint folders"
+    size = len(tag.encode("utf-8"))
+    if size > _MAX_TAG_BYTES:
+        return f"it is {size} bytes long in UTF-8; at most {_MAX_TAG_BYTES} are allowed"
+    return None
+
+
+def is_valid_tag(tag: Any) -> bool:
+    return isinstance(tag, str) and _tag_problem(tag) is None

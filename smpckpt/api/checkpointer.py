@@ -344,6 +344,8 @@ class Checkpointer:
                 self._groups.join(ctx, self.sharding.join_timeout, action)
             common, opts = ctx.agreed(check, what)
             self._counter.storage_options = common.storage_options  # a save's number read with its options
+            last = _last_resume.get()  # this thread's: a per-save Checkpointer (export too) goes on from it (rev69i 4)
+            self._counter.hint = last.tag if last is not None and last.path == self.location.path else ""
             if self.sharding.join_timeout is not None:  # every rank is here: the group later saves meet on
                 self._groups.get(ctx, "join", self.sharding.join_timeout)
             if tag is not None or cls is not ResumeOptions:
@@ -356,8 +358,6 @@ class Checkpointer:
         action = f"saving checkpoint {tag!r} under {self.location.path}"
         _refuse_while_resuming(action)
         ctx, common, opts = self._agreed(action, what, tag, options, SaveOptions, model, optimizer)
-        last = _last_resume.get()  # this thread's: a Checkpointer built per save goes on from it (catalog.root)
-        self._counter.hint = last.tag if last is not None and last.path == self.location.path else ""
         if self._tier is not None and opts.overwrite:
             raise ValueError(
                 "overwrite does not apply with local_path (a fast tier: a tiered save never replaces a tag)"

@@ -29,6 +29,7 @@ import threading
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
+from smpckpt._checks import PARTIAL_SUFFIX, is_valid_tag, validate_tag
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, RootInUse, UnsafeCheckpoint
 from smpckpt.storage import (
     MANIFEST_NAME,
@@ -53,53 +54,8 @@ __all__ += ["ManifestCache", "ABANDONED_KEY", "ABANDONED_NAME", "abandoned_of", 
 log = logging.getLogger("smpckpt.catalog.retention")
 
 NEWEST_NAME = "newest"
-PARTIAL_SUFFIX = "_partial"
 #: ``newest`` is a one-line text file; anything larger is not ours and is not read whole.
 _NEWEST_MAX_BYTES = 4096
-#: Longest tag in UTF-8 bytes: ``{tag}_partial`` must fit one path component (255 bytes on common
-#: filesystems) with room to spare; checked up front so a long tag never fails half-way through a save.
-_MAX_TAG_BYTES = 200
-#: Characters a tag may hold besides letters and digits. Deliberately no glob characters (``* ? [ ] { } !``),
-#: no separators, no spaces: a tag ends up in fsspec calls and S3 keys, and some backends expand globs.
-_TAG_PUNCTUATION = frozenset("._-+=@,")
-
-
-def validate_tag(tag: Any) -> str:
-    """Return ``tag`` if it is usable as a checkpoint tag (the README's rules: letters, digits and
-    ``. _ - + = @ ,``, starting with a letter or digit, no ``..``, not ending in ``_partial``, at most 200
-    bytes in UTF-8), else raise :class:`ValueError`, on every backend alike, before anything is written."""
-    if not isinstance(tag, str):
-        raise ValueError(f"checkpoint tag must be a str, got {type(tag).__name__}")
-    problem = _tag_problem(tag)
-    if problem:
-        raise ValueError(f"invalid checkpoint tag {tag[:80]!r}: {problem}")
-    return tag
-
-
-def _tag_problem(tag: str) -> str | None:
-    if not tag:
-        return "it is empty"
-    bad = sorted({c for c in tag if not (c.isalnum() or c in _TAG_PUNCTUATION)})
-    if bad:
-        shown = "".join(bad[:10])
-        return (
-            f"it contains {shown!r}; a tag may hold only letters, digits and "
-            f"{''.join(sorted(_TAG_PUNCTUATION))!r} (no path separators, whitespace, control or glob characters)"
-        )
-    if not tag[0].isalnum():
-        return "it must start with a letter or digit"
-    if ".." in tag:
-        return "it contains '..'"
-    if tag.endswith(PARTIAL_SUFFIX):
-        return f"it ends in {PARTIAL_SUFFIX!r}, the suffix of partial checkpoint folders"
-    size = len(tag.encode("utf-8"))
-    if size > _MAX_TAG_BYTES:
-        return f"it is {size} bytes long in UTF-8; at most {_MAX_TAG_BYTES} are allowed"
-    return None
-
-
-def is_valid_tag(tag: Any) -> bool:
-    return isinstance(tag, str) and _tag_problem(tag) is None
 
 
 def partial_dirname(tag: str) -> str:
@@ -241,11 +197,14 @@ class SequenceCounter:
         self._listed = False  #: every committed checkpoint of the root has been seen (a listing)
         self.read = 0  #: the highest number ``newest`` named when a draw read it (a writer beside this job's)
         self._parent: int | None = None  #: the number of the checkpoint resumed, until the next draw
-        self._drawn, self._tag, self.job = 0, "", ""  #: this job's last draw, its tag (:meth:`drawn`), identity
+        self._drawn, self._tag, self.job = 0, "", ""  #: this job's last save's number (a guarded draw), tag, identity
+        self._first = self._last = self._accepted = 0  #: its first save's number; its last draw's (exports too);
+        # the highest number of a checkpoint this job saved or resumed: another job's above it is not its history
+        self._saves = 0  #: the highest number of a checkpoint seen or saved (an export's not: a roll-back's range)
         self.abandoned: tuple[tuple[int, int], ...] = ()  #: what this job's history abandoned (roll-backs)
         self.manifests = ManifestCache()  #: the root's committed records this job read (its listings reuse them)
         self.offline = False  #: (a tiered save, the root unreachable) numbered from what it saw, listed later
-        self._from, self.hint = ("", ""), ""  #: the job and tag resumed (until the next draw); this thread's (per save)
+        self._from, self.hint = ("", "", 0), ""  #: the job, tag and number resumed (for good); this thread's (per save)
         self._unseen: tuple[CheckpointRecord, str, int] | None = None  #: another's unseen (an export saw it), our last
 
     def resumed(self, seq: int, abandoned: Ranges, extra: Mapping[str, Any] | None = None, tag: str = "") -> None:
@@ -254,14 +213,18 @@ class SequenceCounter:
         numbered above (its saver's late commits too: a replacement overlapping the last save of its predecessor)."""
         job = (extra or {}).get(JOB_KEY)
         with self._lock:
-            self._parent, self.abandoned, self._from = seq, tuple(abandoned), (str(job or ""), tag)
+            self._parent, self.abandoned = seq, tuple(abandoned)
+            if not (job and job == self.job):  # (a roll-back to its own keeps the job it replaced: rev69i 3)
+                self._from = (str(job or ""), tag, seq)
+            self._accepted = max(self._accepted, seq) if 0 <= seq < _MAX else self._accepted
 
     def resuming(self, target: T, tag: str | None) -> T:
         """(rank 0) ``target`` (``api._resume.Target``), which a resume of ``tag`` chose; refused when tag-less, this job
-        saved and it is another's, unseen: rolling back, it would take that job's state silently (rev69c 1)."""
+        saved and it is another's above all this job saved or resumed: rolling back, it would take that job's state
+        silently (rev69c 1); reading that job's number (an export's draw, a refused save) accepts nothing (rev69i 1)."""
         manifest, seq = getattr(target, "manifest", None), getattr(target, "order", (0,))[0]
         theirs = getattr(manifest, "extra", {}).get(JOB_KEY) not in (None, self.job)
-        if tag is None and self._drawn and self.job and theirs and seq > self._highest:
+        if tag is None and self._drawn and self.job and theirs and seq > self._accepted:
             found = CheckpointRecord(getattr(target, "tag", ""), True, (seq, 0, ""))
             raise self._refused(found, self._tag, self._drawn, "resume")
         return target
@@ -270,7 +233,7 @@ class SequenceCounter:
         """A checkpoint numbered ``seq`` exists under the root; ``listed``: the highest of a whole listing."""
         with self._lock:
             if 0 <= seq < _MAX:
-                self._highest = max(self._highest, seq)
+                self._highest, self._saves = max(self._highest, seq), max(self._saves, seq)
             self._listed = self._listed or listed
 
     def next(self, job: str = "", guard: bool = True) -> int:
@@ -287,24 +250,32 @@ class SequenceCounter:
             found = newest_record(self.root, self.storage_options, self.manifests)
             seq = found.order[0] if found is not None and found.committed else 0
             theirs = found.extra.get(JOB_KEY) if found is not None and seq and job else None  # None: older
-            if theirs not in (None, job) and (seq > self._highest or seq == self._drawn) and found is not None:
-                if self._parent is None or theirs != self._from[0]:  # not seen: committed since this job's last draw
+            mine = seq > self._highest or seq in (self._drawn, self._last)  # committed since, or the number it drew
+            if theirs not in (None, job) and mine and found is not None:
+                # the job resumed from committed late (a replacement overlapping its last save: rev69c 4), numbered
+                # before this job's first save was (rev69i 3): abandoned, never refused
+                late = theirs == self._from[0] and (self._parent is not None or seq <= self._first)
+                if not late:  # not seen: committed since this job's last draw
                     self._unseen = self._unseen or (found, self._tag, self._drawn)  # an export: at the next save
-                else:  # the job resumed from committed late (a replacement overlapping its last save): rev69c 4
+                else:
                     log.warning(
                         "%s: %r (sequence %d) committed by the job this one replaced after it resumed %r (sequence "
                         "%d): abandoned by this job's history (kept, never counted nor resumed tag-less)",
-                        *(self.root, found.tag, seq, self._from[1], self._parent),
+                        *(self.root, found.tag, seq, *self._from[1:]),
                     )
             self.read = max(self.read, seq)
             self.saw(self.read)
         if guard and self._unseen is not None:
             raise self._refused(*self._unseen)
         with self._lock:
-            if self._parent is not None and self._highest > self._parent:  # a roll-back: numbered past others
-                self.abandoned = ((self._parent + 1, self._highest), *self.abandoned)[:_RANGES]
-            self._parent, self._from = None, ("", "")
-            self._highest = self._drawn = self._highest + 1
+            self._highest = self._last = self._highest + 1
+            if not guard:  # an export: the history (roll-back, a late predecessor) is its next save's (rev69i 2)
+                return self._last
+            if self._parent is not None and self._saves > self._parent:  # a roll-back: numbered past others
+                self.abandoned = ((self._parent + 1, self._saves), *self.abandoned)[:_RANGES]
+            self._parent, self._drawn, self._accepted = None, self._highest, self._highest
+            self._saves = self._highest
+            self._first = self._first or self._highest
             return self._highest
 
     def _first_listing(self, records: Sequence[CheckpointRecord], guard: bool) -> None:
@@ -323,7 +294,7 @@ class SequenceCounter:
         hinted = [r for r in committed if r.tag == self.hint]  # this thread resumed it (a per-save Checkpointer)
         if hinted:  # its history goes on from there: not another run's (rev69c 5)
             with self._lock:
-                self._parent = hinted[0].order[0]
+                self._parent = self._accepted = hinted[0].order[0]
                 self.abandoned = tuple(p for p in abandoned_of(hinted[0].extra) if p[1] < self._parent)
         else:  # kept, never removed nor counted: a job may still be saving there
             bare = [r.tag for r in committed if not r.order[0]]  # no number: no range can mark them (rev69c 6)
@@ -341,21 +312,26 @@ class SequenceCounter:
                 self._parent = 0
 
     def _refused(self, theirs: CheckpointRecord, tag: str, seq: int, what: str = "save") -> RootInUse:
+        why = (
+            "nothing applied (it would take that job's state as this job's): pass tag= to take it deliberately, "
+            f"or tag={tag!r} to go back to this job's"
+            if what == "resume"
+            else "nothing written (its retention would remove that job's checkpoints, and a tag-less resume take "
+            "the other's state): give each job its own path"
+        )
         return RootInUse(
             f"another job is saving into {self.root}: its checkpoint {theirs.tag!r} (sequence {theirs.order[0]}) "
-            f"committed after this job's last save {tag or '(none)'!r} (sequence {seq}); this {what} is refused, "
-            "nothing written (its retention would remove that job's checkpoints, and a tag-less resume take the "
-            "other's state): give each job its own path"
+            f"committed after this job's last save {tag or '(none)'!r} (sequence {seq}); this {what} is refused, {why}"
         )
 
     def adopt(self, other: SequenceCounter) -> None:
         """What ``other`` (the counter of the Checkpointer this one's replaces, of the same root) knew."""
         with other._lock:
             state = other._highest, other._listed, other.read, other._parent, other.abandoned, other._drawn, other._tag
-            more = other._from, other._unseen
+            more = other._from, other._unseen, other._first, other._last, other._accepted, other._saves
         with self._lock:
             self._highest, self._listed, self.read, self._parent, self.abandoned, self._drawn, self._tag = state
-            self._from, self._unseen = more
+            self._from, self._unseen, self._first, self._last, self._accepted, self._saves = more
         self.manifests = other.manifests
 
     def record(self, tag: str) -> dict[str, Any]:

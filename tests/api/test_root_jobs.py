@@ -16,6 +16,7 @@ from root_jobs_workers import model, other_job, refused_world, stepped_job, tier
 from test_tiers_path import _down
 from torch import nn
 
+import smpckpt.api._save as save_module
 import smpckpt.api.checkpointer as checkpointer_module
 from smpckpt import (
     Checkpointer,
@@ -314,3 +315,121 @@ def test_the_fresh_job_warning_says_retention_removes_unnumbered_checkpoints(tmp
     said = " ".join(r.getMessage() for r in caplog.records if "resumed none" in r.getMessage())
     assert "['old1', 'old2'] carry no sequence number" in said and "retention removes them" in said, said
     assert _committed(root) == ["n2"]  # as the warning says
+
+
+def test_a_tag_less_resume_after_an_export_or_a_refused_save_still_refuses_the_other_job(tmp_path: Any) -> None:
+    """rev69i 1: A saved s1, B saved t1; an export of A (or A's refused s2) read t1's number as newest, after which
+    A's tag-less roll-back took B's t1 silently. Now it is refused, naming t1 and the way to take it deliberately."""
+    root = str(tmp_path)
+    m, o = model()
+    with Checkpointer(root) as a:
+        a.save("s1", m, o)
+        other_job(root, "t1")
+        a.export("e1", model=m, optimizer=o)
+        with pytest.raises(RootInUse, match="'t1' .sequence 2.*this resume is refused.*pass tag= to take it"):
+            a.resume(model=m, optimizer=o)  # before: took t1
+        with pytest.raises(RootInUse, match="this save is refused"):
+            a.save("s2", m, o)
+        with pytest.raises(RootInUse, match="'t1' .sequence 2.*this resume is refused"):
+            a.resume(model=m, optimizer=o)  # before: took t1
+        a.resume("s1", model=m, optimizer=o)
+    assert _committed(root) == ["s1", "t1"]
+
+
+def test_an_export_before_a_restarts_first_save_does_not_refuse_it(tmp_path: Any, caplog: Any) -> None:
+    """rev69i 2: B, a restart, resumes a1 and exports before its first save while its predecessor A commits a2
+    late. Before: the export's draw took a2's number and forgot what B resumed, so b1 was refused, naming the
+    export's number as B's "last save". Now b1 saves, a2 is abandoned by B's history (warned)."""
+    root = str(tmp_path)
+    a = stepped_job(root, "a1,a2")
+    try:
+        assert a.stdout is not None and a.stdin is not None
+        assert a.stdout.readline().strip() == "saved a1"
+        m, o = model()
+        with Checkpointer(root) as b:
+            b.resume(model=m, optimizer=o)
+            b.export("e1", model=m, optimizer=o)
+            a.stdin.write("go\n")
+            a.stdin.close()
+            assert a.wait(timeout=300) == 0
+            caplog.set_level(logging.WARNING)
+            b.save("b1", m, o)  # before: RootInUse
+    finally:
+        a.kill() if a.poll() is None else None
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "'a2' (sequence 2)" in said and "resumed 'a1' (sequence 1)" in said, said
+    records = {r.tag: r for r in scan_root(root) if r.committed}
+    assert records["b1"].extra["abandoned"] == [[2, 2]], records["b1"].extra
+    n, p = model()
+    resume_from_checkpoint(root, model=n, optimizer=p)
+    assert last_resume_info() is not None and last_resume_info().tag == "b1"  # type: ignore[union-attr]
+
+
+def test_a_predecessors_save_numbered_with_the_restarts_first_is_not_refused(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """rev69i 3: A's last save a2 draws number 2 before B (its restart, which resumed a1) draws 2 for b1, and commits
+    after b1. Before: B's next save b2 was refused, a restart crashing for nothing. Now a2 is abandoned with a
+    warning and b2 saves. Two jobs in one process: the job identity differs per thread (A on the main thread)."""
+    root = str(tmp_path)
+    m, o = model()
+    main = threading.main_thread()
+    monkeypatch.setattr(save_module, "job_token", lambda: "A" if threading.current_thread() is main else "B")
+    real, a_drew, b_saved, a_done = checkpointer_module.write_checkpoint, *(threading.Event() for _ in range(3))
+
+    def held(req: Any, *rest: Any) -> Any:
+        if req.tag == "a2":  # drawn, then written once b1 committed
+            a_drew.set()
+            b_saved.wait(timeout=120)
+        return real(req, *rest)
+
+    failed: list[BaseException] = []
+
+    def job_b() -> None:
+        n, p = model()
+        with Checkpointer(root) as b:
+            b.resume(model=n, optimizer=p)
+            resumed.set()
+            a_drew.wait(timeout=120)
+            b.save("b1", n, p)
+            b_saved.set()
+            a_done.wait(timeout=120)
+            b.save("b2", n, p)  # before: RootInUse
+
+    resumed = threading.Event()
+    with Checkpointer(root) as a:
+        a.save("a1", m, o)
+        monkeypatch.setattr(checkpointer_module, "write_checkpoint", held)
+        caplog.set_level(logging.WARNING)
+        saving = threading.Thread(target=lambda: _caught(failed, job_b))
+        saving.start()
+        assert resumed.wait(timeout=120)
+        a.save("a2", m, o)
+        a_done.set()
+        saving.join(timeout=300)
+    assert not failed, failed
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "'a2' (sequence 2) committed by the job this one replaced" in said, said
+    records = [(r.tag, r.order[0]) for r in scan_root(root) if r.committed]
+    assert sorted(records) == [("a1", 1), ("a2", 2), ("b1", 2), ("b2", 3)], records
+    assert newest_tag(root) == "b2"
+
+
+def test_a_restart_exporting_first_through_checkpointers_built_per_save_keeps_its_retention(
+    tmp_path: Any, caplog: Any
+) -> None:
+    """rev69i 4: as rev69c 5, but each per-save Checkpointer exports first. Before: the export's first listing
+    ignored the thread's resume ("resumed none"), a1 was kept as abandoned and never removed. Now keeping 2,
+    only b2 and b3 are left."""
+    root = str(tmp_path)
+    other_job(root, "a1")
+    m, o = model()
+    with Checkpointer(root) as first:
+        first.resume(model=m, optimizer=o)
+    caplog.set_level(logging.WARNING)
+    for tag in ("b1", "b2", "b3"):
+        with Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=2)) as each:
+            each.export(f"e-{tag}", model=m, optimizer=o)
+            each.save(tag, m, o)
+    assert _committed(root) == ["b2", "b3"]  # before: ["a1", "b2", "b3"]
+    assert not [r for r in caplog.records if "resumed none" in r.getMessage()]

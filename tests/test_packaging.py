@@ -61,6 +61,10 @@ def test_old_module_paths_keep_their_public_names() -> None:
         "smpckpt.tools._common": "ENV_OPTIONS UsageError storage_options_arg human layout_text layout_json "
         "resolve_checkpoint_url check_root",
         "smpckpt.catalog._debris": "sweep_debris sweep_stale select_stale_uncommitted",
+        # 0.1.0's retention module, now catalog.root: its names that moved on to catalog._abandoned (rev69i L5)
+        "smpckpt.retention": "KeepLatestN select_for_removal apply_retention RetentionResult validate_keep "
+        "CheckpointRecord scan_root record_order newest_tag highest_sequence NEWEST_NAME PARTIAL_SUFFIX "
+        "validate_tag is_valid_tag split_lineage write_abandoned read_abandoned SequenceCounter",
     }
     old_names["smpckpt._cli_common"] = old_names["smpckpt.tools._common"]
     for path, names in old_names.items():

@@ -568,3 +568,15 @@ def apply_retention(
     phase = {r.tag: (r.state != "committed", r.state != "removing", i) for i, r in enumerate(records)}
     failed.sort(key=phase.__getitem__)  # the pass's order (by phase, oldest first), as one by one (rev66d F1)
     return RetentionResult(tuple(removed), tuple(failed), *(tuple(found) for found in swept))
+
+
+def __getattr__(name: str) -> Any:  # 0.1.0's names that moved out (``smpckpt.retention`` is this module: _moved)
+    if name in ("KeepLatestN", "select_for_removal", "split_lineage", "write_abandoned", "read_abandoned"):
+        from smpckpt.catalog import _abandoned  # (lazily: it imports this module)
+
+        return getattr(_abandoned, name)
+    if name == "highest_sequence":
+        from smpckpt.catalog import highest_sequence
+
+        return highest_sequence
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -224,7 +224,10 @@ class SequenceCounter:
         silently (rev69c 1); reading that job's number (an export's draw, a refused save) accepts nothing (rev69i 1)."""
         manifest, seq = getattr(target, "manifest", None), getattr(target, "order", (0,))[0]
         theirs = getattr(manifest, "extra", {}).get(JOB_KEY) not in (None, self.job)
-        if tag is None and self._drawn and self.job and theirs and seq > self._accepted:
+        # at this job's own number too (its save there failed, or a predecessor's late save drew it alike: rev69j 1,
+        # 3), but for the checkpoint it resumed (numbers count as accepted once drawn: a failed save's also)
+        resumed = (getattr(target, "tag", None), seq) == self._from[1:]
+        if tag is None and self._drawn and self.job and theirs and seq >= self._accepted and not resumed:
             found = CheckpointRecord(getattr(target, "tag", ""), True, (seq, 0, ""))
             raise self._refused(found, self._tag, self._drawn, "resume")
         return target
@@ -314,7 +317,7 @@ class SequenceCounter:
     def _refused(self, theirs: CheckpointRecord, tag: str, seq: int, what: str = "save") -> RootInUse:
         why = (
             "nothing applied (it would take that job's state as this job's): pass tag= to take it deliberately, "
-            f"or tag={tag!r} to go back to this job's"
+            f"or the tag of this job's own (its last save, {tag!r}, if that one committed)"
             if what == "resume"
             else "nothing written (its retention would remove that job's checkpoints, and a tag-less resume take "
             "the other's state): give each job its own path"

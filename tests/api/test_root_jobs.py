@@ -433,3 +433,34 @@ def test_a_restart_exporting_first_through_checkpointers_built_per_save_keeps_it
             each.save(tag, m, o)
     assert _committed(root) == ["b2", "b3"]  # before: ["a1", "b2", "b3"]
     assert not [r for r in caplog.records if "resumed none" in r.getMessage()]
+
+
+def test_a_tag_less_resume_after_a_failed_save_refuses_the_other_jobs_checkpoint_at_its_number(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev69j 1: A saved s1; its s2 failed in the write (number 2 drawn, nothing committed); B then saved t1,
+    numbered 2 too. A's tag-less roll-back took t1, B's state, silently: a number drawn counted as accepted. Now
+    refused naming t1; A's own s1 comes back by its tag, bit-exact."""
+    root = str(tmp_path)
+    real = checkpointer_module.write_checkpoint
+
+    def failing(req: Any, *rest: Any) -> Any:
+        if req.tag == "s2":
+            raise OSError("disk full (injected) writing s2")
+        return real(req, *rest)
+
+    m, o = model()
+    with Checkpointer(root) as a:
+        a.save("s1", m, o)
+        s1 = {k: v.clone() for k, v in m.state_dict().items()}
+        monkeypatch.setattr(checkpointer_module, "write_checkpoint", failing)
+        with pytest.raises(Exception, match="disk full"):
+            a.save("s2", m, o)
+        other_job(root, "t1")
+        with pytest.raises(RootInUse, match="'t1' .sequence 2.*this resume is refused.*pass tag= to take it"):
+            a.resume(model=m, optimizer=o)  # before: took t1
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)
+        a.resume("s1", model=m, optimizer=o)
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in s1.items())

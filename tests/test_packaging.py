@@ -70,3 +70,6 @@ def test_old_module_paths_keep_their_public_names() -> None:
     for path, names in old_names.items():
         module = importlib.import_module(path)
         assert [n for n in names.split() if not hasattr(module, n)] == [], path
+    star: dict[str, object] = {}
+    exec("from smpckpt.retention import *", star)  # rev69j L4: the moved names came by name only
+    assert {"KeepLatestN", "select_for_removal", "highest_sequence"} <= set(star)

@@ -23,10 +23,12 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import importlib
 import logging
 import os
 import threading
 from collections.abc import Collection, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 from smpckpt._checks import PARTIAL_SUFFIX, is_valid_tag, validate_tag
@@ -48,6 +50,17 @@ __all__ += ["NEWEST_NAME", "PARTIAL_SUFFIX", "validate_tag", "is_valid_tag", "pa
 __all__ += ["tag_of_partial_dirname", "join_url", "partial_url", "read_newest", "write_newest", "list_partial_tags"]
 __all__ += ["open_root", "SEQUENCE_KEY", "sequence_of", "SequenceCounter", "newest_record"]
 __all__ += ["ManifestCache", "ABANDONED_KEY", "ABANDONED_NAME", "abandoned_of", "JOB_KEY"]
+#: 0.1.0's names of this module (``smpckpt.retention``) that moved on -> their module (:func:`__getattr__`)
+_MOVED_OUT = MappingProxyType(
+    {
+        "highest_sequence": "smpckpt.catalog",
+        **dict.fromkeys(
+            ("KeepLatestN", "select_for_removal", "split_lineage", "write_abandoned", "read_abandoned"),
+            "smpckpt.catalog._abandoned",
+        ),
+    }
+)
+__all__ += list(_MOVED_OUT)  # (a star import of the old path gets them too: rev69j L4)
 
 
 # the name it had before the module's rename: logging configured for it keeps applying
@@ -574,12 +587,10 @@ def apply_retention(
 
 
 def __getattr__(name: str) -> Any:  # 0.1.0's names that moved out (``smpckpt.retention`` is this module: _moved)
-    if name in ("KeepLatestN", "select_for_removal", "split_lineage", "write_abandoned", "read_abandoned"):
-        from smpckpt.catalog import _abandoned  # (lazily: it imports this module)
-
-        return getattr(_abandoned, name)
-    if name == "highest_sequence":
-        from smpckpt.catalog import highest_sequence
-
-        return highest_sequence
+    if name in _MOVED_OUT:  # (imported lazily: those modules import this one)
+        return getattr(importlib.import_module(_MOVED_OUT[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MOVED_OUT})

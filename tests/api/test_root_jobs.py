@@ -124,11 +124,15 @@ def test_every_rank_of_the_refused_job_gets_the_refusal(tmp_path: Any) -> None:
     assert got[0]["dirs"] == got[1]["dirs"] == ["newest", "s1_partial", "smpckpt.abandoned", "t1_partial"], got
 
 
-def test_a_restart_that_resumed_is_not_refused_when_its_predecessor_commits_late(tmp_path: Any, caplog: Any) -> None:
+@pytest.mark.parametrize("export_first", [False, True])
+def test_a_restart_that_resumed_is_not_refused_when_its_predecessor_commits_late(
+    tmp_path: Any, caplog: Any, export_first: bool
+) -> None:
     """rev69c 4: B, a restart, resumes a1 (tag-less) while its predecessor A still commits a2 (a replacement pod
     overlapping the terminating pod's last save). Before: B's first save was refused (RootInUse, "last save
     '(none)'"), a restart crashing for nothing. Now B saves, a2 is abandoned by B's history (warned, naming a2 and
-    a1) and a tag-less resume takes B's b1."""
+    a1) and a tag-less resume takes B's b1. rev69i 2: also when B exports before its first save (the export's draw
+    took a2's number and forgot what B resumed, naming the export's number as B's "last save")."""
     root = str(tmp_path)
     a = stepped_job(root, "a1,a2")
     try:
@@ -138,6 +142,8 @@ def test_a_restart_that_resumed_is_not_refused_when_its_predecessor_commits_late
         with Checkpointer(root) as b:
             b.resume(model=m, optimizer=o)
             assert b.last_resume_info is not None and b.last_resume_info.tag == "a1"
+            if export_first:
+                b.export("e1", model=m, optimizer=o)
             a.stdin.write("go\n")
             a.stdin.close()
             assert a.wait(timeout=300) == 0
@@ -334,35 +340,6 @@ def test_a_tag_less_resume_after_an_export_or_a_refused_save_still_refuses_the_o
             a.resume(model=m, optimizer=o)  # before: took t1
         a.resume("s1", model=m, optimizer=o)
     assert _committed(root) == ["s1", "t1"]
-
-
-def test_an_export_before_a_restarts_first_save_does_not_refuse_it(tmp_path: Any, caplog: Any) -> None:
-    """rev69i 2: B, a restart, resumes a1 and exports before its first save while its predecessor A commits a2
-    late. Before: the export's draw took a2's number and forgot what B resumed, so b1 was refused, naming the
-    export's number as B's "last save". Now b1 saves, a2 is abandoned by B's history (warned)."""
-    root = str(tmp_path)
-    a = stepped_job(root, "a1,a2")
-    try:
-        assert a.stdout is not None and a.stdin is not None
-        assert a.stdout.readline().strip() == "saved a1"
-        m, o = model()
-        with Checkpointer(root) as b:
-            b.resume(model=m, optimizer=o)
-            b.export("e1", model=m, optimizer=o)
-            a.stdin.write("go\n")
-            a.stdin.close()
-            assert a.wait(timeout=300) == 0
-            caplog.set_level(logging.WARNING)
-            b.save("b1", m, o)  # before: RootInUse
-    finally:
-        a.kill() if a.poll() is None else None
-    said = " ".join(r.getMessage() for r in caplog.records)
-    assert "'a2' (sequence 2)" in said and "resumed 'a1' (sequence 1)" in said, said
-    records = {r.tag: r for r in scan_root(root) if r.committed}
-    assert records["b1"].extra["abandoned"] == [[2, 2]], records["b1"].extra
-    n, p = model()
-    resume_from_checkpoint(root, model=n, optimizer=p)
-    assert last_resume_info() is not None and last_resume_info().tag == "b1"  # type: ignore[union-attr]
 
 
 def test_a_predecessors_save_numbered_with_the_restarts_first_is_not_refused(

@@ -31,13 +31,10 @@ from smpckpt import (
 from smpckpt.storage.format.manifest import MANIFEST_NAME
 
 
-def test_a_drain_that_fails_leaves_no_empty_folder_in_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A drain failing mid-copy (the durable storage's disk full) removed the files it had copied but left
-    an empty ``<tag>_partial/`` in ``path``: debris no tool cleaned and ``ls`` showed. Removed when empty
-    now; the fast tier still holds the tag, and the next save drains."""
+def _first_drain_disk_full(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The first file a drain opens in ``path`` fails as a full disk; the calls seen, listed."""
     import smpckpt.api._drain as drain_module
 
-    durable, local = tmp_path / "durable", tmp_path / "fast"
     real, calls = drain_module.open_sink, []
 
     def disk_full_once(*args: Any, **kwargs: Any) -> Any:
@@ -47,6 +44,15 @@ def test_a_drain_that_fails_leaves_no_empty_folder_in_path(tmp_path: Path, monke
         return real(*args, **kwargs)
 
     monkeypatch.setattr(drain_module, "open_sink", disk_full_once)
+    return calls
+
+
+def test_a_drain_that_fails_leaves_no_empty_folder_in_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drain failing mid-copy (the durable storage's disk full) removed the files it had copied but left
+    an empty ``<tag>_partial/`` in ``path``: debris no tool cleaned and ``ls`` showed. Removed when empty
+    now; the fast tier still holds the tag, and the next save drains."""
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    calls = _first_drain_disk_full(monkeypatch)
     m1, m2 = _linear(1), _linear(2)
     save_checkpoint(durable, "s1", model=m1, local_path=local, replicas=1)
     with pytest.raises(CheckpointError, match="no space left on the durable storage; it is still in the fast tier"):
@@ -67,18 +73,8 @@ def test_a_failed_drain_another_checkpointer_drained_again_is_not_raised(
     Checkpointer drained s2 again and committed it, and wait_for_saves still raised s2's failure (the first
     Checkpointer kept it). Healed: not raised; path holds s2 bit-exactly. A failure not healed is still raised
     (the test above)."""
-    import smpckpt.api._drain as drain_module
-
     durable, local = tmp_path / "durable", tmp_path / "fast"
-    real, calls = drain_module.open_sink, []
-
-    def disk_full_once(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args)
-        if len(calls) == 1:
-            raise OSError(28, "injected: no space left on the durable storage")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(drain_module, "open_sink", disk_full_once)
+    calls = _first_drain_disk_full(monkeypatch)
     models = {s: _linear(s) for s in (1, 2, 3)}
     tier = FastTier(local_path=str(local), replicas=1, durable_every=2)
     for s in (1, 2, 3):  # s2 due, its drain fails; s3 (not due) drains it again

@@ -298,7 +298,10 @@ def _checkpointer(
     if ckpt is None:  # a new one in place of the one kept, which is waited for first; of the same root, it
         # carries its save numbers and a roll-back it resumed over
         if held is not None:
-            held.wait()
+            try:
+                held.wait()
+            finally:  # a stale one may outlive this (a kept traceback holds it): its staging copy goes now (rev69g)
+                held.free_staging_buffers() if stale else None
             if (
                 joins and not stale and held._groups.serves(sharding.process_group)
             ):  # rev67d F1: else a hang (rev67f F2: same ranks)

@@ -339,6 +339,7 @@ def reused_after_the_group_was_made_again(rank: int, world: int, root: str, init
     ckpt.save("a", m).result()  # type: ignore[union-attr]
     smpckpt.save_checkpoint(root + "-smp", "a", model=m, async_save=True).result()  # type: ignore[union-attr]
     smpckpt.wait_for_saves()
+    kept = m.__dict__["_smpckpt_checkpointer"].checkpointer  # the smp face's, left behind by the restart
     dist.destroy_process_group()
     timeout = datetime.timedelta(seconds=30)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timeout)
@@ -353,4 +354,4 @@ def reused_after_the_group_was_made_again(rank: int, world: int, root: str, init
     smpckpt.save_checkpoint(root + "-smp", "b", model=m, async_save=True).result()  # type: ignore[union-attr]
     smpckpt.wait_for_saves()
     newest = [open(os.path.join(r, "newest")).read().strip() for r in (root, root + "-smp")]
-    return {"said": said, "newest": newest}
+    return {"said": said, "newest": newest, "left_staged": kept._stager.nbytes()}  # rev69g M3: freed when replaced

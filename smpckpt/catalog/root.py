@@ -242,7 +242,8 @@ class SequenceCounter:
         resumed = (getattr(target, "tag", None), seq) == self._from[1:]
         if tag is None and self._drawn and self.job and theirs and seq >= self._accepted and not resumed:
             found = CheckpointRecord(getattr(target, "tag", ""), True, (seq, 0, ""))
-            raise self._refused(found, self._tag, self._drawn, "resume")
+            late = manifest.extra.get(JOB_KEY) == self._from[0] and self._from[1]  # the replaced job's: 2 histories
+            raise self._refused(found, self._tag, self._drawn, "resume", late or "")
         return target
 
     def saw(self, seq: int, *, listed: bool = False) -> None:
@@ -327,7 +328,7 @@ class SequenceCounter:
             with self._lock:
                 self._parent = 0
 
-    def _refused(self, theirs: CheckpointRecord, tag: str, seq: int, what: str = "save") -> RootInUse:
+    def _refused(self, theirs: CheckpointRecord, tag: str, seq: int, what: str = "save", late: str = "") -> RootInUse:
         why = (
             "nothing applied (it would take that job's state as this job's): pass tag= to take it deliberately, "
             f"or the tag of this job's own (its last save, {tag!r}, if that one committed)"
@@ -335,9 +336,12 @@ class SequenceCounter:
             else "nothing written (its retention would remove that job's checkpoints, and a tag-less resume take "
             "the other's state): give each job its own path"
         )
+        head = f"another job is saving into {self.root}: its"
+        head = f"the job this one replaced (it resumed {late!r}): its late" if late else head
         return RootInUse(
-            f"another job is saving into {self.root}: its checkpoint {theirs.tag!r} (sequence {theirs.order[0]}) "
+            f"{head} checkpoint {theirs.tag!r} (sequence {theirs.order[0]}) "
             f"committed after this job's last save {tag or '(none)'!r} (sequence {seq}); this {what} is refused, {why}"
+            + (f" (or tag={late!r}, the one it resumed)" if late else "")
         )
 
     def adopt(self, other: SequenceCounter) -> None:

@@ -371,6 +371,8 @@ def test_a_predecessors_save_numbered_with_the_restarts_first_is_not_refused(
             b.save("b1", n, p)
             b_saved.set()
             a_done.wait(timeout=120)
+            b.resume(model=n, optimizer=p)  # a2 drew first: b1 is the later of the two at number 2, B's own
+            assert b.last_resume_info is not None and b.last_resume_info.tag == "b1"
             b.save("b2", n, p)  # before: RootInUse
 
     resumed = threading.Event()
@@ -441,3 +443,26 @@ def test_a_tag_less_resume_after_a_failed_save_refuses_the_other_jobs_checkpoint
                 p.add_(1.0)
         a.resume("s1", model=m, optimizer=o)
     assert all(torch.equal(m.state_dict()[k], v) for k, v in s1.items())
+
+
+def test_a_late_save_of_the_replaced_job_at_the_restarts_number_is_named_as_such() -> None:
+    """rev69k: a restart's tag-less resume meeting its predecessor's late save at its own number (drawn after the
+    restart's, committed after it) is refused -- two histories, neither chosen silently -- naming the job this one
+    replaced and the tag it resumed, not "another job is saving" and a save that may not have committed."""
+    from types import SimpleNamespace
+
+    from smpckpt.catalog.root import SequenceCounter
+
+    counter = SequenceCounter("/nowhere")
+    counter.job, counter._from, counter._drawn, counter._accepted, counter._tag = "B", ("A", "a1", 1), 2, 2, "b1"
+    late = SimpleNamespace(tag="a2", order=(2, 0, ""), manifest=SimpleNamespace(extra={JOB_KEY: "A"}))
+    with pytest.raises(
+        RootInUse,
+        match=r"^the job this one replaced \(it resumed 'a1'\): its late checkpoint 'a2'.*"
+        r"\(or tag='a1', the one it resumed\)$",
+    ):
+        counter.resuming(late, None)
+    assert counter.resuming(late, "a2") is late  # by tag: taken deliberately
+    other = SimpleNamespace(tag="t2", order=(2, 0, ""), manifest=SimpleNamespace(extra={JOB_KEY: "C"}))
+    with pytest.raises(RootInUse, match=r"^another job is saving into /nowhere: its checkpoint 't2'"):
+        counter.resuming(other, None)

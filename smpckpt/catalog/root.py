@@ -236,13 +236,13 @@ class SequenceCounter:
         saved and it is another's above all this job saved or resumed: rolling back, it would take that job's state
         silently (rev69c 1); reading that job's number (an export's draw, a refused save) accepts nothing (rev69i 1)."""
         manifest, seq = getattr(target, "manifest", None), getattr(target, "order", (0,))[0]
-        theirs = getattr(manifest, "extra", {}).get(JOB_KEY) not in (None, self.job)
-        # at this job's own number too (its save there failed, or a predecessor's late save drew it alike: rev69j 1,
-        # 3), but for the checkpoint it resumed (numbers count as accepted once drawn: a failed save's also)
+        job = getattr(manifest, "extra", {}).get(JOB_KEY)
+        theirs = job not in (None, self.job)
+        # at this job's own number too (a failed save's, a predecessor's drawn alike: rev69j), but the one resumed
         resumed = (getattr(target, "tag", None), seq) == self._from[1:]
         if tag is None and self._drawn and self.job and theirs and seq >= self._accepted and not resumed:
             found = CheckpointRecord(getattr(target, "tag", ""), True, (seq, 0, ""))
-            late = manifest.extra.get(JOB_KEY) == self._from[0] and self._from[1]  # the replaced job's: 2 histories
+            late = job == self._from[0] and self._from[1]  # the replaced job's: two histories
             raise self._refused(found, self._tag, self._drawn, "resume", late or "")
         return target
 

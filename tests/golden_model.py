@@ -22,3 +22,17 @@ def golden_model() -> tuple[nn.Module, torch.optim.Optimizer]:
         m(torch.randn(5, 6, generator=g)).pow(2).mean().backward()
         o.step()
     return m, o
+
+
+def holder(tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """Parameters under dotted names (nested empty modules)."""
+    root = nn.Module()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, nn.Parameter(t))
+    return root

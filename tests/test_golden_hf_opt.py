@@ -11,27 +11,13 @@ import shutil
 from pathlib import Path
 
 import torch
+from golden_model import holder
 from safetensors.torch import load_file
-from torch import nn
 
 import smpckpt
 import smpckpt.hf.gpt2 as gpt2
 
 DATA = Path(__file__).with_name("data") / "hf_opt_v0"
-
-
-def _holder(tensors: dict[str, torch.Tensor]) -> nn.Module:
-    """Parameters under dotted names (nested empty modules)."""
-    root = nn.Module()
-    for name, t in tensors.items():
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, nn.Module())
-            mod = getattr(mod, part)
-        mod.register_parameter(leaf, nn.Parameter(t))
-    return root
 
 
 def test_old_hf_export_with_optimizer_keyed_by_our_names_resumes_bit_exact(tmp_path: Path) -> None:
@@ -41,7 +27,7 @@ def test_old_hf_export_with_optimizer_keyed_by_our_names_resumes_bit_exact(tmp_p
     assert "transformer.h.0.attn.qkv.weight.exp_avg" in load_file(str(root / "export" / "optimizer.safetensors"))
     assert "transformer.h.0.attn.c_attn.weight" in load_file(str(root / "export" / "model.safetensors"))
     params = {k: v for k, v in ref.items() if k.rsplit(".", 1)[1] in ("weight", "bias")}
-    model = _holder({k: torch.zeros_like(v) for k, v in params.items()})
+    model = holder({k: torch.zeros_like(v) for k, v in params.items()})
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for p in model.parameters():  # live state of other values: the resume must replace it
         p.grad = torch.ones_like(p)

@@ -12,28 +12,14 @@ import shutil
 from pathlib import Path
 
 import torch
+from golden_model import holder
 from safetensors.torch import load_file
-from torch import nn
 from transformers import LlamaConfig
 
 import smpckpt
 from smpckpt.hf import llama
 
 DATA = Path(__file__).with_name("data") / "llama_bias_v0"
-
-
-def _holder(tensors: dict[str, torch.Tensor]) -> nn.Module:
-    """Parameters under dotted names (nested empty modules)."""
-    root = nn.Module()
-    for name, t in tensors.items():
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, nn.Module())
-            mod = getattr(mod, part)
-        mod.register_parameter(leaf, nn.Parameter(t))
-    return root
 
 
 def test_old_tp1_llama_with_biases_resumes_under_todays_specs_bit_exact(tmp_path: Path) -> None:
@@ -45,7 +31,7 @@ def test_old_tp1_llama_with_biases_resumes_under_todays_specs_bit_exact(tmp_path
     assert "model.model.layers.*.mlp.gate_up_proj.bias" in specs  # today's rule, absent when it was saved
     params = {k: v for k, v in ref.items() if k.rsplit(".", 1)[1] in ("weight", "bias")}
     assert params["model.layers.0.mlp.gate_up_proj.bias"].shape == (16,)
-    model = _holder({k: torch.zeros_like(v) for k, v in params.items()})
+    model = holder({k: torch.zeros_like(v) for k, v in params.items()})
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for p in model.parameters():  # live state of other values: the resume must replace it
         p.grad = torch.ones_like(p)

@@ -161,21 +161,28 @@ def test_a_restart_that_resumed_is_not_refused_when_its_predecessor_commits_late
     assert last_resume_info() is not None and last_resume_info().tag == "b1"  # type: ignore[union-attr]
 
 
-def test_a_restart_saving_through_checkpointers_built_per_save_keeps_its_retention(tmp_path: Any, caplog: Any) -> None:
+@pytest.mark.parametrize("export_first", [False, True])
+def test_a_restart_saving_through_checkpointers_built_per_save_keeps_its_retention(
+    tmp_path: Any, caplog: Any, export_first: bool
+) -> None:
     """rev69c 5: a restart resumes another process's a1 in one Checkpointer, then saves through a new one each time
     (README: "built per save"; smp's face). Before: the first save warned "resumed none" and kept a1 as abandoned,
     so retention never removed it: every restart leaked the previous run's checkpoints. Now the save goes on from
-    the tag this thread resumed: keeping 2, only b2 and b3 are left."""
+    the tag this thread resumed: keeping 2, only b2 and b3 are left. rev69i 4: also when each per-save
+    Checkpointer exports first (the export's first listing ignored the thread's resume)."""
     root = str(tmp_path)
     other_job(root, "a1")
     m, o = model()
     with Checkpointer(root) as first:
         first.resume(model=m, optimizer=o)
     caplog.set_level(logging.WARNING)
-    for tag in ("b1", "b2"):
+    for tag in ("b1", "b2") if not export_first else ("b1", "b2", "b3"):
         with Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=2)) as each:
+            if export_first:
+                each.export(f"e-{tag}", model=m, optimizer=o)
             each.save(tag, m, o)
-    save_checkpoint(root, "b3", model=m, optimizer=o, num_kept_partial_checkpoints=2)
+    if not export_first:
+        save_checkpoint(root, "b3", model=m, optimizer=o, num_kept_partial_checkpoints=2)
     assert _committed(root) == ["b2", "b3"]  # before: ["a1", "b2", "b3"]
     assert not [r for r in caplog.records if "resumed none" in r.getMessage()]
 
@@ -392,26 +399,6 @@ def test_a_predecessors_save_numbered_with_the_restarts_first_is_not_refused(
     records = [(r.tag, r.order[0]) for r in scan_root(root) if r.committed]
     assert sorted(records) == [("a1", 1), ("a2", 2), ("b1", 2), ("b2", 3)], records
     assert newest_tag(root) == "b2"
-
-
-def test_a_restart_exporting_first_through_checkpointers_built_per_save_keeps_its_retention(
-    tmp_path: Any, caplog: Any
-) -> None:
-    """rev69i 4: as rev69c 5, but each per-save Checkpointer exports first. Before: the export's first listing
-    ignored the thread's resume ("resumed none"), a1 was kept as abandoned and never removed. Now keeping 2,
-    only b2 and b3 are left."""
-    root = str(tmp_path)
-    other_job(root, "a1")
-    m, o = model()
-    with Checkpointer(root) as first:
-        first.resume(model=m, optimizer=o)
-    caplog.set_level(logging.WARNING)
-    for tag in ("b1", "b2", "b3"):
-        with Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=2)) as each:
-            each.export(f"e-{tag}", model=m, optimizer=o)
-            each.save(tag, m, o)
-    assert _committed(root) == ["b2", "b3"]  # before: ["a1", "b2", "b3"]
-    assert not [r for r in caplog.records if "resumed none" in r.getMessage()]
 
 
 def test_a_tag_less_resume_after_a_failed_save_refuses_the_other_jobs_checkpoint_at_its_number(

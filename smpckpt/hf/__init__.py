@@ -8,13 +8,13 @@ tensors in a view that reshards). :data:`TRANSLATIONS` maps HF's ``config.model_
 translation. Nothing here imports transformers: configs are read by attribute or dict key."""
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 from smpckpt.errors import SpecError
 from smpckpt.hf import bert, gpt2, gptj, gptneo, llama, mistral, qwen2, roberta
-from smpckpt.model.translation import Translation, _stranded, check_translates
+from smpckpt.model.translation import Translation, _stranded, check_translates, refuse_adapters
 
 __all__ = ["gpt2", "bert", "roberta", "gptj", "gptneo", "llama", "qwen2", "mistral", "TRANSLATIONS", "translation_for"]
 __all__ += ["check_translation", "check_config", "check_config_tensors"]
@@ -79,14 +79,38 @@ def check_config_tensors(translation: Translation | None, config: Any, artifact_
     the translation's by name, else (tensors already under Hugging Face's names) ``config``'s ``model_type``.
     Llama: :data:`smpckpt.hf.llama.BIAS_FIELDS` as ``config`` sets them (a field it lacks is transformers'
     default, off); Qwen2: :data:`smpckpt.hf.qwen2.BIASES`, always; no family holds its translation's
-    ``absent`` tensors (checked here too for an export without a translation)."""
+    ``absent`` tensors (checked here too for an export without a translation), nor an adapter's state (a
+    translation refuses it itself; without one, a ``config`` makes the artifact a Hugging Face folder)."""
     get = config.get if isinstance(config, Mapping) else lambda name: getattr(config, name, None)
     name = translation.name if translation is not None else (str(get("model_type")) if config is not None else "")
     family = TRANSLATIONS.get(name)
     keys = dict.fromkeys(artifact_keys)  # a set in the order written, for messages
+    if translation is None and config is not None:  # any family's, or a model of the user's own
+        refuse_adapters(keys, "hf_config makes the artifact a Hugging Face folder, but ")
     layers = sorted({int(m.group(1)) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k))})
-    if family is None or not layers:
+    if family is None:
         return
+    if layers:
+        _check_llama_family(translation, family, name, get if config is not None else None, layers, keys)
+    absent = [k for k in keys if family.is_absent(k)]
+    if translation is None and absent:  # a translation refuses them itself (check_translates)
+        raise SpecError(
+            f"hf_config is a {name!r} config, but a {family.architecture} has no tensors {_show(absent)}: "
+            "from_pretrained would drop them. Is the model of another family (a Llama with attention_bias or "
+            "mlp_bias is 'llama')? Otherwise leave them out"
+        )
+
+
+def _check_llama_family(
+    translation: Translation | None,
+    family: Translation,
+    name: str,
+    get: Callable[[str], Any] | None,
+    layers: Sequence[int],
+    keys: Mapping[str, None],
+) -> None:
+    """:func:`check_config_tensors`' part for the Llama family's layers (``get``: the config's fields, or
+    ``None`` without a config)."""
     fused = list(_stranded(family, list(keys), {}, "ours")) if translation is None else []
     if fused:  # our fused names under a config of the family: the translation was forgotten (rev69h M1)
         raise SpecError(
@@ -96,7 +120,7 @@ def check_config_tensors(translation: Translation | None, config: Any, artifact_
         )
     # (what says so, the modules of each layer with a bias, whether they have one, what to do)
     wanted: list[tuple[str, tuple[str, ...], bool, str]] = []
-    if name == "llama" and config is not None:
+    if name == "llama" and get is not None:
         for field, modules in llama.BIAS_FIELDS.items():
             on = bool(get(field))
             wanted.append(
@@ -113,13 +137,6 @@ def check_config_tensors(translation: Translation | None, config: Any, artifact_
                 f"{why}, but the tensors written {'lack' if on else 'hold'} {_show(wrong)}: from_pretrained would "
                 f"{'initialise them afresh' if on else 'drop them'}. {hint}"
             )
-    absent = [k for k in keys if family.is_absent(k)]
-    if translation is None and absent:  # a translation refuses them itself (check_translates)
-        raise SpecError(
-            f"hf_config is a {name!r} config, but a {family.architecture} has no tensors {_show(absent)}: "
-            "from_pretrained would drop them. Is the model of another family (a Llama with attention_bias or "
-            "mlp_bias is 'llama')? Otherwise leave them out"
-        )
 
 
 def _show(keys: Sequence[str]) -> str:

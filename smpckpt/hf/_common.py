@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
@@ -131,6 +133,16 @@ def _state_beside(translation: Translation, state_dict: Mapping[str, torch.Tenso
     return sd
 
 
+def _fit_checks() -> ModuleType:
+    """:mod:`smpckpt.hf`, whose fit checks (``check_translation``, ``check_config_tensors``) the eager
+    helpers run; imported on call, as it imports the family modules that import this one."""
+    return importlib.import_module("smpckpt.hf")
+
+
+def _shapes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in state_dict.items()}
+
+
 def eager_helpers(module: str, translation: Translation) -> tuple[ImportFn, ExportFn]:
     """A family's eager ``translate_hf_state_dict_to_smpckpt`` and ``translate_state_dict_to_hf``, bound
     to its translation (whose ``tied`` heads they drop on import and may add on export; whose fused
@@ -143,6 +155,7 @@ def eager_helpers(module: str, translation: Translation) -> tuple[ImportFn, Expo
         tie_word_embeddings: bool | None = None,
         keep_view_shapes: bool = False,
     ) -> dict[str, torch.Tensor]:
+        fit = _fit_checks()
         sd = dict(state_dict)
         if tie_word_embeddings is not False:
             for head, embed in translation.tied.items():
@@ -151,6 +164,7 @@ def eager_helpers(module: str, translation: Translation) -> tuple[ImportFn, Expo
                         del sd[head]
                     elif tie_word_embeddings:
                         raise ValueError(f"tie_word_embeddings=True but {head!r} differs from {embed!r}")
+        fit.check_translation(translation, _shapes(sd), "artifact")  # as loading a folder does
         ours = translation.translate_from_artifact(sd)
         if not keep_view_shapes:  # views of contiguous tensors
             merged = translation.merged_shapes({k: t.shape for k, t in ours.items()})
@@ -160,11 +174,15 @@ def eager_helpers(module: str, translation: Translation) -> tuple[ImportFn, Expo
     def translate_state_dict_to_hf(
         state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
     ) -> dict[str, torch.Tensor]:
-        out = translation.translate_to_artifact(_state_beside(translation, state_dict))  # fused: either shape
+        fit = _fit_checks()
+        sd = _state_beside(translation, state_dict)  # fused: either shape
+        fit.check_translation(translation, _shapes(sd), "ours")  # as the online export and consolidate do
+        out = translation.translate_to_artifact(sd)
         if tie_word_embeddings:
             for head, embed in translation.tied.items():
                 if head not in out and embed in out:
                     out[head] = out[embed]
+        fit.check_config_tensors(translation, None, out)  # no config here: what needs none (Qwen2's biases)
         return out
 
     facts = {

@@ -30,6 +30,12 @@ _QKV = _H + "attn.qkv_proj.weight"
 
 TRANSLATION = Translation(
     "gptj",
+    # modeling_gptj.py: q/k/v/out_proj are Linear(bias=False), a block has ln_1 only, positions are rotary
+    absent=(
+        *(_H + f"attn.{p}_proj.bias" for p in ("q", "k", "v", "out")),
+        *(_H + f"ln_2.{w}" for w in ("weight", "bias")),
+        "transformer.wpe.weight",
+    ),
     rules=(stack(_QKV, tuple(_H + f"attn.{p}_proj.weight" for p in "qkv")),),
     ignore=(_H + "attn.bias", _H + "attn.masked_bias", _H + "attn.embed_positions"),
     tied={_HEAD: _EMBED},

@@ -27,6 +27,8 @@ _QKV = _A + "qkv_proj.weight"
 
 TRANSLATION = Translation(
     "gpt_neo",
+    # modeling_gpt_neo.py: q/k/v_proj are Linear(bias=False) (out_proj has one), lm_head is Linear(bias=False)
+    absent=(*(_A + f"{p}_proj.bias" for p in "qkv"), "lm_head.bias"),
     rules=(stack(_QKV, tuple(_A + f"{p}_proj.weight" for p in "qkv")),),
     ignore=(_A + "bias", _A + "masked_bias"),
     tied={_HEAD: _EMBED},

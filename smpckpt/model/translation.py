@@ -39,6 +39,7 @@ from smpckpt.model._translation_algebra import (
 __all__ = ["Leaf", "Cat", "Expr", "Piece", "Shape", "expr_shape", "expr_keys", "pieces", "evaluate", "scatter"]
 __all__ += ["merge_leading", "split_leading", "reshaped"]
 __all__ += ["Rule", "rename", "transpose", "stack", "Translation", "check_translates"]
+__all__ += ["ADAPTER_NAMES", "adapter_keys", "refuse_adapters"]
 
 
 # -- rules --------------------------------------------------------------------------------------------
@@ -455,6 +456,37 @@ def _refuse_stranded(translation: Translation, stranded: Mapping[str, str], side
         )
 
 
+#: the module names PEFT gives an adapter's state and its wrapping of the module it adapts: LoRA's
+#: ``adapter_layer_names`` (``lora_A``, ``lora_B``, ``lora_embedding_A``/``_B``), DoRA's
+#: ``lora_magnitude_vector``, AdaLoRA's ``lora_E``, the wrapped module (``base_layer``) and
+#: ``ModulesToSaveWrapper``'s ``original_module`` / ``modules_to_save``. No transformers model names a module
+#: so; a name merely containing ``lora`` (``flora_A``) is no adapter's.
+ADAPTER_NAMES = frozenset(
+    ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "lora_E")
+    + ("base_layer", "original_module", "modules_to_save")
+)
+
+
+def adapter_keys(keys: Iterable[str]) -> list[str]:
+    """The ``keys`` with a dotted component that is one of :data:`ADAPTER_NAMES` (whole components only)."""
+    return [k for k in keys if not ADAPTER_NAMES.isdisjoint(k.split("."))]
+
+
+def refuse_adapters(keys: Iterable[str], who: str) -> None:
+    """Refuse a Hugging Face export holding :func:`adapter_keys` (``who`` begins the message): the model
+    ``from_pretrained`` builds has no such modules, so it would drop them without a word, loading the model
+    without the adapter (or, for a ``base_layer.weight``, the wrapped module's weight initialised afresh)."""
+    found = adapter_keys(keys)
+    if found:
+        raise SpecError(
+            f"{who}{_show(found)} ({len(found)} tensor{'s' if len(found) > 1 else ''}) are state an adapter adds "
+            "to its module or PEFT's wrapping of it (LoRA's lora_A/lora_B, DoRA's lora_magnitude_vector, "
+            "base_layer), which a Hugging Face model does not have: from_pretrained would drop them, loading the "
+            "model without the adapter. Merge or strip adapters before export (PEFT's merge_and_unload(), or leave "
+            "those keys out)"
+        )
+
+
 def check_translates(
     translation: Translation,
     shapes: Mapping[str, Sequence[int]],
@@ -507,6 +539,8 @@ def check_translates(
             f"{'fused tensors' if side == 'ours' else 'tensors to fuse'}: use the translation of the model's family"
         )
     _refuse_stranded(translation, _stranded(translation, kept, shapes, side), side)
+    if side == "ours":  # an adapter's state under a module no rule touches (README: an export's only)
+        refuse_adapters(kept, f"translation {translation.name!r}: ")
     absent = [k for k in kept if translation.is_absent(k)]
     if absent:
         raise SpecError(

@@ -345,4 +345,7 @@ def test_smp_to_hf_alias_loads_strictly(name):
     with pytest.raises(ValueError, match="max_seq_len must be a positive int"):
         to_hf(ours, max_seq_len=0)
     with pytest.raises(ValueError, match="cannot tell where embeddings.position_ids goes"):
-        to_hf({"lm_head.dense.weight": torch.zeros(2, 2)}, max_seq_len=8)
+        # (a dict the translation takes, a fused q/k/v, but without embeddings: the eager export refuses one it
+        # takes nothing of, as the online export does)
+        qkv = base + "encoder.layer.0.attention.self.qkv.weight"
+        to_hf({"lm_head.dense.weight": torch.zeros(2, 2), qkv: torch.zeros(3, 2, 2)}, max_seq_len=8)

@@ -24,6 +24,7 @@ from tier_helpers import same as _same
 from tier_helpers import tier_record as _tier_record
 
 from smpckpt import (
+    Checkpointer,
     CheckpointError,
     CheckpointNotFound,
     FastTier,
@@ -101,6 +102,33 @@ def test_the_jobs_own_overwrite_of_a_drained_tag_is_no_emptied_path(tmp_path: Pa
     resume_from_checkpoint(durable, model=got, options=FastTier(local_path=str(fast)))
     info = last_resume_info()
     assert info is not None and (info.tag, info.tier) == ("s3", "fast") and _same(got, model)
+
+
+def test_a_tiered_save_reads_paths_newest_once(tmp_path: Path, monkeypatch: Any) -> None:
+    """rev69e L4: F3's record of path's newest read ``newest`` and its manifest once more per tiered save (on S3,
+    a save not due made 8 requests instead of 6); it now records what the save's numbering read: one read of
+    ``newest`` per save (the first save of a Checkpointer lists the root instead), and the guarantee holds
+    (the test above)."""
+    import smpckpt.catalog.root as root_module
+
+    reads: list[str] = []
+    real = root_module.read_newest
+
+    def counted(fs: Any, root_path: str, said: Any = None) -> Any:
+        reads.append(root_path)
+        return real(fs, root_path, said)
+
+    monkeypatch.setattr(root_module, "read_newest", counted)
+    durable, fast = tmp_path / "durable", tmp_path / "fast"
+    tier = FastTier(local_path=str(fast), replicas=1, durable_every=2)
+    ckpt = Checkpointer(durable, fast_tier=tier)
+    per_save = []
+    for s in (1, 2, 3):
+        reads.clear()
+        ckpt.save(f"s{s}", model=_linear(s))
+        ckpt.wait()
+        per_save.append(len(reads))
+    assert per_save[1:] == [1, 1], per_save
 
 
 def test_a_restart_with_path_intact_or_never_drained_resumes_the_fast_tier(tmp_path: Path) -> None:

@@ -56,6 +56,31 @@ class LaneThread(threading.Thread):
         self.lane.run()
 
 
+class SeenFuture(concurrent.futures.Future[None]):
+    """A lane's future, noting whether the program saw its failure (``result()`` raised it, ``exception()``
+    returned it): that failure is then the program's, not one to report as unseen at exit (hunt69b F6: a
+    program that handled it still exited 1). The package's own reads go through :func:`failure_of`."""
+
+    seen = False
+
+    def result(self, timeout: float | None = None) -> None:
+        try:
+            return super().result(timeout)
+        except BaseException:
+            self.seen = self.seen or (self.done() and not self.cancelled())
+            raise
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        exc = super().exception(timeout)
+        self.seen = self.seen or exc is not None
+        return exc
+
+
+def failure_of(fut: concurrent.futures.Future[None]) -> BaseException | None:
+    """(the package's read of a done future) Its failure, without marking it seen by the program."""
+    return concurrent.futures.Future.exception(fut, 0)
+
+
 class Lane:
     """One kind of background work of one Checkpointer (saves, or drains), run in order on a
     :class:`LaneThread` started at the first :meth:`submit`; ``failed`` is kept for the next call to raise."""
@@ -64,9 +89,7 @@ class Lane:
         self.kind, self.what, self.name = kind, what, f"smpckpt-{'async-save' if kind == 'save' else 'drain'}"
         self.owner = weakref.ref(owner)  #: the Checkpointer (module functions reach it through the thread)
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[str, Callable[[], None], concurrent.futures.Future[None]]] = (
-            collections.deque()
-        )
+        self._queue: collections.deque[tuple[str, Callable[[], None], SeenFuture]] = collections.deque()
         self._thread: LaneThread | None = None  #: the thread running the lane's work, while it runs
         self.used = False  #: work was ever submitted (then every save checks on this lane first)
         self._stopping = False
@@ -74,6 +97,7 @@ class Lane:
         self.tag = ""  #: its tag
         self.submitted = 0.0  #: when (``time.monotonic``): the newest drain of the process is the last one
         self.failed: tuple[str, BaseException] | None = None
+        self.failed_fut: SeenFuture | None = None  #: the future of ``failed``'s work (did the program see it?)
         if hasattr(os, "register_at_fork"):
             ref = weakref.ref(self)
             os.register_at_fork(after_in_child=lambda: forget_in_child(ref))
@@ -84,7 +108,7 @@ class Lane:
 
     def submit(self, tag: str, work: Callable[[], None]) -> concurrent.futures.Future[None]:
         """Run ``work()`` on the lane's thread after the work before it; its failure is kept in ``failed``."""
-        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        fut = SeenFuture()
         with self._cond:
             self.start()
             self.used = True
@@ -122,7 +146,7 @@ class Lane:
             try:
                 work()
             except BaseException as exc:  # noqa: BLE001 - kept for the next call, raised by the future
-                self.failed = (tag, exc)
+                self.failed, self.failed_fut = (tag, exc), fut
                 log.error("%s of checkpoint %r failed: %s", self.what, tag, exc)
                 fut.set_exception(exc)
             else:
@@ -138,7 +162,7 @@ class Lane:
     def take_failed(self) -> tuple[str, BaseException] | None:
         """The failure kept, once (then cleared; a stopped lane's thread, kept for it, ends)."""
         with self._cond:
-            failed, self.failed = self.failed, None
+            failed, self.failed, self.failed_fut = self.failed, None, None
             self._cond.notify()
         return failed
 
@@ -157,7 +181,7 @@ class Lane:
         future, so a child that waited for it (at exit, or in its own save) would hang."""
         self._cond = threading.Condition()  # the parent's may have been held by a thread that is gone
         self._queue.clear()
-        self._thread, self.fut, self.failed, self.used = None, None, None, False
+        self._thread, self.fut, self.failed, self.failed_fut, self.used = None, None, None, None, False
 
 
 def wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:
@@ -178,7 +202,7 @@ def _healed(lane: Lane, failed: tuple[str, BaseException]) -> bool:
         if other is lane or other.kind != "drain" or other.tag != failed[0] or other.submitted <= lane.submitted:
             continue
         if root is not None and getattr(other.owner(), "_root_key", None) == root and fut is not None and fut.done():
-            if not fut.cancelled() and fut.exception() is None:
+            if not fut.cancelled() and failure_of(fut) is None:
                 return True
     return False
 
@@ -260,7 +284,7 @@ class DrainStatus:
             return cls(lane.tag, "running")
         if lane.failed is not None and lane.failed[0] == lane.tag:
             return cls(lane.tag, "failed", f"{type(lane.failed[1]).__name__}: {lane.failed[1]}")
-        return cls(lane.tag, "failed" if fut.exception() is not None else "done")
+        return cls(lane.tag, "failed" if failure_of(fut) is not None else "done")
 
 
 def drain_status() -> DrainStatus | None:
@@ -449,35 +473,55 @@ class ExitRecorder:
         return self.real(*args)
 
 
-def register_exit_wait(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
+def register_exit_wait(lanes: tuple[Lane, Lane], exit_status: int | None, leader: bool = True) -> None:
     """Finish ``lanes``' work when the interpreter exits (the hook holds the lanes, never the
     Checkpointer), and wrap ``sys.exit`` once (:class:`ExitRecorder`). Not ``atexit``: it runs after
     ``threading``'s exit hooks, when concurrent.futures takes no more work, so a background save opening
     its writer pools failed and the checkpoint was lost while the process exited 0. Registered after
-    concurrent.futures' (imported above), ours runs before it (those hooks run newest first)."""
+    concurrent.futures' (imported above), ours runs before it (those hooks run newest first). ``leader``:
+    this rank is its Checkpointer's rank 0, the one that says the exit waits (every rank waits)."""
     # not CPython >= 3.9 (no threading._register_atexit): the plain hook is the best left
-    hook = functools.partial(_wait_at_exit, lanes, exit_status)
+    hook = functools.partial(_wait_at_exit, lanes, exit_status, leader)
     (getattr(threading, "_register_atexit", None) or atexit.register)(hook)
     if not isinstance(sys.exit, ExitRecorder):
         sys.exit = ExitRecorder(sys.exit)
 
 
-def _wait_at_exit(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
-    """(interpreter exit) Wait for the work in flight, then end the lanes' threads; a failure is logged at
-    ERROR naming the tag, and the process exits with :attr:`AsyncOptions.exit_status` (1 by default)."""
+def _unseen_failure(lane: Lane) -> CheckpointError | None:
+    """(interpreter exit) ``lane``'s kept failure unless the program saw it from its future (then it is the
+    program's: logged at INFO, and no exit status of ours: hunt69b F6); taken either way."""
+    fut = lane.failed_fut
+    if fut is None or not fut.seen:
+        try:
+            raise_failed((lane,), "")
+        except CheckpointError as exc:
+            return exc
+        return None
+    if (taken := lane.take_failed()) is not None:
+        log.info("%s of %r failed, as its future told the program (not reported again at exit): %s", lane.what, *taken)
+    return None
+
+
+def _wait_at_exit(lanes: tuple[Lane, Lane], exit_status: int | None, leader: bool = True) -> None:
+    """(interpreter exit) Wait for the work in flight, then end the lanes' threads; a failure the program was
+    not told (by its future, ``wait()``, ``wait_for_saves()`` or the next save) is logged at ERROR naming the
+    tag, and the process exits with :attr:`AsyncOptions.exit_status` (1 by default)."""
     save, drain = lanes
     for lane in lanes:
-        if lane.running:
-            log.warning("waiting for %s of %r before exiting", lane.what, lane.tag)
-    try:
-        wait_lanes(save, drain, raise_errors=True)
-    except CheckpointError as exc:
+        if lane.running:  # at hundreds of ranks, one line per job: rank 0's (hunt69b F5); a failure is every rank's
+            log.log(
+                logging.WARNING if leader else logging.DEBUG, "waiting for %s of %r before exiting", lane.what, lane.tag
+            )
+    wait_lanes(save, drain, raise_errors=False)
+    failures = [exc for lane in lanes if (exc := _unseen_failure(lane)) is not None]
+    if failures:
         status = exit_status
         program = sys.exit.status if isinstance(sys.exit, ExitRecorder) else 0
         if status and program:
             status = program  # the program's own failure status stays what it asked for
         suffix = f"; exiting with status {status}" if status else ""
-        log.error("%s (at interpreter exit; `smpckpt ls` shows what committed)%s", exc, suffix)
+        for exc in failures:
+            log.error("%s (at interpreter exit; `smpckpt ls` shows what committed)%s", exc, suffix)
         if status:
             # every other Checkpointer's work in flight finishes first (its hook would run after this one,
             # and os._exit ends the process before it): its final save is not lost to this one's failure
@@ -485,9 +529,8 @@ def _wait_at_exit(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
                 if other is save or other is drain:
                     continue
                 other.wait()
-                fut = other.fut
-                if fut is not None and not fut.cancelled() and fut.exception() is not None:
-                    log.error("%s of %r failed (at interpreter exit): %s", other.what, other.tag, fut.exception())
+                if (exc := _unseen_failure(other)) is not None:
+                    log.error("%s (at interpreter exit)", exc)
             atexit._run_exitfuncs()  # what a normal exit still runs (logging's flush among them)
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):  # a closed stream must not hide the status

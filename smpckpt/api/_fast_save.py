@@ -44,8 +44,8 @@ from smpckpt.api._tiers import (
 )
 from smpckpt.api.options import FastTier
 from smpckpt.catalog.root import (
+    CheckpointRecord,
     SequenceCounter,
-    newest_record,
     open_root,
     partial_dirname,
     partial_url,
@@ -81,6 +81,8 @@ class FastTierPart:
         (``extra``); a save due for ``path`` is known to the job's later saves."""
         if not extra:
             return tier
+        if (found := self.counter.newest_read) is not None and not tier.offline:  # (rank 0) read by the draw
+            _note_newest(tier.job, found)
         self.state.saw_path(self.counter.read)
         if tier.durable:
             self.state.saw_path(sequence_of(extra))
@@ -135,13 +137,12 @@ class FastTierPart:
 # -- the tiered save ---------------------------------------------------------------------------------------
 
 
-def _note_newest(req: SaveRequest, job: str, manifests: Any) -> None:
-    """(rank 0: node 0's first rank) ``path``'s newest committed checkpoint, recorded in the job folder as
-    held there (``note_drained``) unless it is: the job saw it (another writer's of the root, its own plain
-    ``overwrite=True`` save of a drained tag among them), so a resume finding only it in ``path`` is no emptied
-    path (rev68i F3: refused as one, naming ``tag=``)."""
-    found = newest_record(req.root, req.storage_options, manifests)
-    if found is not None and found.committed and not is_drained(read_drained(job), found.tag, found.order[2]):
+def _note_newest(job: str, found: CheckpointRecord) -> None:
+    """(rank 0: node 0's first rank) ``path``'s newest committed checkpoint, as the save's draw read it (not
+    read again: rev69e L4), recorded in the job folder as held there (``note_drained``) unless it is: the job
+    saw it (another writer's of the root, its own plain ``overwrite=True`` save of a drained tag among them), so
+    a resume finding only it in ``path`` is no emptied path (rev68i F3: refused as one, naming ``tag=``)."""
+    if found.committed and not is_drained(read_drained(job), found.tag, found.order[2]):
         note_drained(job, found.tag, found.order[2])
 
 
@@ -237,7 +238,6 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
             if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
                 raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
             drained, part.counter.offline = memory.durable_seq(req.root, req.storage_options), False
-            _note_newest(req, job, part.counter.manifests)
         except OSError as exc:
             if not path_down(exc):
                 raise

@@ -364,7 +364,7 @@ class Checkpointer:
             )
         asynchronous = self.async_options.enabled if opts.async_save is None else opts.async_save
         if (asynchronous or self._tier is not None) and not self._exit_wait:
-            register_exit_wait((self._save_lane, self._drain_lane), self.async_options.exit_status)
+            register_exit_wait((self._save_lane, self._drain_lane), self.async_options.exit_status, ctx.rank == 0)
             self._exit_wait = True
         self._settle(ctx, action, opts.wait_for_previous, asynchronous)
         with peer_failures(ctx, action), gc_frozen(opts.freeze_gc and not asynchronous):

@@ -32,7 +32,7 @@ from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 from smpckpt._checks import PARTIAL_SUFFIX, is_valid_tag, validate_tag
-from smpckpt.errors import CheckpointCorrupt, CheckpointError, RootInUse, UnsafeCheckpoint
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import (
     MANIFEST_NAME,
     Manifest,
@@ -219,6 +219,7 @@ class SequenceCounter:
         self.offline = False  #: (a tiered save, the root unreachable) numbered from what it saw, listed later
         self._from, self.hint = ("", "", 0), ""  #: the job, tag and number resumed (for good); this thread's (per save)
         self._unseen: tuple[CheckpointRecord, str, int] | None = None  #: another's unseen (an export saw it), our last
+        self.newest_read: CheckpointRecord | None = None  #: path's newest committed, as the last draw read it
 
     def resumed(self, seq: int, abandoned: Ranges, extra: Mapping[str, Any] | None = None, tag: str = "") -> None:
         """(once its state is applied) The job goes on from checkpoint ``seq`` (recording ``abandoned``; 0:
@@ -243,7 +244,9 @@ class SequenceCounter:
         if tag is None and self._drawn and self.job and theirs and seq >= self._accepted and not resumed:
             found = CheckpointRecord(getattr(target, "tag", ""), True, (seq, 0, ""))
             late = job == self._from[0] and self._from[1]  # the replaced job's: two histories
-            raise self._refused(found, self._tag, self._drawn, "resume", late or "")
+            from smpckpt.catalog._in_use import refused  # the error path's alone
+
+            raise refused(self.root, found, self._tag, self._drawn, "resume", late or "")
         return target
 
     def saw(self, seq: int, *, listed: bool = False) -> None:
@@ -258,7 +261,7 @@ class SequenceCounter:
         ``guard`` (a save into the root): :class:`RootInUse` when another job's checkpoint this job has not seen
         is the newest (README, "The Checkpointer": a second job saving into the root); ``job``: this job's identity
         (``""``: unknown, nothing refused)."""
-        self.job = job
+        self.job, self.newest_read = job, None
         if not self._listed and not self.offline:
             self._first_listing(scan_root(self.root, storage_options=self.storage_options, cache=self.manifests), guard)
         elif not self.offline:  # (offline: not read, its timeouts paid again by each save: rev68b F3)
@@ -266,6 +269,7 @@ class SequenceCounter:
             # has its own counter: ``newest`` names the last commit of any, so a new save is numbered after it
             found = newest_record(self.root, self.storage_options, self.manifests)
             seq = found.order[0] if found is not None and found.committed else 0
+            self.newest_read = found if seq else None
             theirs = found.extra.get(JOB_KEY) if found is not None and seq and job else None  # None: older
             mine = seq > self._highest or seq in (self._drawn, self._last)  # committed since, or the number it drew
             if theirs not in (None, job) and mine and found is not None:
@@ -283,7 +287,9 @@ class SequenceCounter:
             self.read = max(self.read, seq)
             self.saw(self.read)
         if guard and self._unseen is not None:
-            raise self._refused(*self._unseen)
+            from smpckpt.catalog._in_use import refused  # the error path's alone
+
+            raise refused(self.root, *self._unseen)
         with self._lock:
             self._highest = self._last = self._highest + 1
             if not guard:  # an export: the history (roll-back, a late predecessor) is its next save's (rev69i 2)
@@ -299,6 +305,7 @@ class SequenceCounter:
         """A job that resumed nothing (a Checkpointer built per save; a fresh start): another job's checkpoint above
         all of its own is refused as by :meth:`next`; holding none of its own, it is a roll-back to 0 (warned)."""
         committed = [r for r in records if r.committed]  # oldest first
+        self.newest_read = committed[-1] if committed else None
         self.saw(max((r.order[0] for r in committed), default=0), listed=True)
         mine = [r for r in committed if r.extra.get(JOB_KEY) == self.job]
         if self._parent is not None or not (committed and self.job) or committed[-1] in mine[-1:]:
@@ -327,22 +334,6 @@ class SequenceCounter:
             )
             with self._lock:
                 self._parent = 0
-
-    def _refused(self, theirs: CheckpointRecord, tag: str, seq: int, what: str = "save", late: str = "") -> RootInUse:
-        why = (
-            "nothing applied (it would take that job's state as this job's): pass tag= to take it deliberately, "
-            f"or the tag of this job's own (its last save, {tag!r}, if that one committed)"
-            if what == "resume"
-            else "nothing written (its retention would remove that job's checkpoints, and a tag-less resume take "
-            "the other's state): give each job its own path"
-        )
-        head = f"another job is saving into {self.root}: its"
-        head = f"the job this one replaced (it resumed {late!r}): its late" if late else head
-        return RootInUse(
-            f"{head} checkpoint {theirs.tag!r} (sequence {theirs.order[0]}) "
-            f"committed after this job's last save {tag or '(none)'!r} (sequence {seq}); this {what} is refused, {why}"
-            + (f" (or tag={late!r}, the one it resumed)" if late else "")
-        )
 
     def adopt(self, other: SequenceCounter) -> None:
         """What ``other`` (the counter of the Checkpointer this one's replaces, of the same root) knew."""

@@ -3,7 +3,10 @@ keep running collectives on the default group while a save is in flight."""
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -216,9 +219,57 @@ def fails_while_saving(root: str, status: str, exit_code: str = "") -> None:
         sys.exit(int(exit_code))
 
 
+def handled_failure(root: str, how: str) -> None:
+    """Commit ``a``; save ``a`` again in the background (it fails: committed); the program looks at the failure
+    ``how``: ``result`` (caught), ``exception`` (returned), or ``done`` (only asks whether it finished: unseen)."""
+    c = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    c.save("a", model=model(0)).result()
+    fut = c.save("a", model=model(1))
+    if how == "result":
+        try:
+            fut.result()
+        except smpckpt.CheckpointExists as exc:
+            print("handled:", type(exc).__name__, flush=True)
+    elif how == "exception":
+        print("handled:", type(fut.exception()).__name__, flush=True)
+    else:
+        concurrent.futures.wait([fut])
+        print("done:", fut.done(), flush=True)
+    print("main returned", flush=True)
+
+
+def exit_wait_rank(rank: int, root: str, init: str, fail: str) -> None:
+    """(a fresh interpreter, rank ``rank`` of 2) Log ``smpckpt`` at DEBUG; commit ``a``; start an async save of
+    ``b`` that writes after a pause (failing on rank 1 with ``fail`` "fail"), and return, leaving it to the exit
+    wait; the process group is torn down by a plain atexit hook, which runs after the exit wait."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logging.getLogger("smpckpt").addHandler(handler)
+    logging.getLogger("smpckpt").setLevel(logging.DEBUG)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    atexit.register(dist.destroy_process_group)
+    c = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    c.save("a", model=model(0)).result()
+    real = FsspecStorageWriter.write_data
+
+    def late(self: Any, plan: Any, planner: Any) -> Any:
+        time.sleep(1.0)  # the main thread is in interpreter shutdown by now
+        if fail == "fail" and rank == 1:
+            raise OSError(28, "No space left on device (injected)")
+        return real(self, plan, planner)
+
+    FsspecStorageWriter.write_data = late  # type: ignore[method-assign]
+    c.save("b", model=model(1))
+    print("main returned", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "returns-while-saving":
         returns_while_saving(sys.argv[2])
+    elif sys.argv[1] == "handled-failure":
+        handled_failure(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "exit-wait-rank":
+        exit_wait_rank(int(sys.argv[2]), *sys.argv[3:6])
     elif sys.argv[1] == "fails-while-saving":
         fails_while_saving(*sys.argv[2:5])
     else:

@@ -317,6 +317,50 @@ def test_a_failed_final_background_save_sets_the_exit_status(
     assert not os.path.exists(os.path.join(str(tmp_path), "newest"))
 
 
+def _worker(*args: str) -> subprocess.Popen[bytes]:
+    """``async_workers.py`` with ``args`` in a fresh interpreter (its exit hooks run as a program's do)."""
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "async_workers.py"), *args],
+        cwd=HERE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+@pytest.mark.parametrize(("how", "want"), [("result", 0), ("exception", 0), ("done", 1)])
+def test_a_background_failure_the_program_saw_is_not_reported_again_at_exit(tmp_path: Any, how: str, want: int) -> None:
+    """hunt69b F6: a program that caught its failed async save's error from ``fut.result()`` (or read it with
+    ``fut.exception()``) still exited 1 with an ERROR "at interpreter exit"; that failure is the program's now.
+    One it never looked at (``done()`` only) keeps the exit status 1 and the ERROR. ``a`` is intact either way."""
+    root = str(tmp_path / "ckpt")
+    proc = _worker("handled-failure", root, how)
+    out, err = (b.decode() for b in proc.communicate(timeout=120))
+    assert proc.returncode == want and "main returned" in out, err[-2000:]
+    assert ("at interpreter exit" in err) == (want == 1), err[-2000:]
+    assert ("exiting with status 1" in err) == (want == 1), err[-2000:]
+    _loads(root, "a", _state(model(0)))
+
+
+@pytest.mark.parametrize("fail", ["ok", "fail"])
+def test_the_exit_wait_is_said_once_per_job_at_warning(tmp_path: Any, fail: str) -> None:
+    """hunt69b F5: every rank logged "waiting for the background save ... before exiting" at WARNING (hundreds
+    of lines per exit at hundreds of ranks); rank 0 says it at WARNING, the others at DEBUG. A save that fails
+    (on rank 1's write) is still said by every rank, at ERROR, and each exits 1; else both exit 0 with ``b``."""
+    root, init = str(tmp_path / "ckpt"), str(tmp_path / "init")
+    procs = [_worker("exit-wait-rank", str(rank), root, init, fail) for rank in (0, 1)]
+    outs = [[b.decode() for b in p.communicate(timeout=120)] for p in procs]
+    said = "waiting for the background save of 'b' before exiting"
+    for rank, (proc, (out, err)) in enumerate(zip(procs, outs)):
+        assert proc.returncode == (1 if fail == "fail" else 0) and "main returned" in out, (rank, err[-3000:])
+        assert f"{'WARNING' if rank == 0 else 'DEBUG'} {said}" in err, (rank, err[-3000:])
+        assert f"{'DEBUG' if rank == 0 else 'WARNING'} {said}" not in err, (rank, err[-3000:])
+        failed = "ERROR " in err and "background save of checkpoint 'b' failed" in err
+        assert failed == (fail == "fail"), (rank, err[-3000:])
+    assert open(os.path.join(root, "newest")).read().strip() == ("a" if fail == "fail" else "b")
+    _loads(root, None, _state(model(0 if fail == "fail" else 1)))
+
+
 def test_a_resume_waits_for_this_process_background_save(tmp_path: Any, monkeypatch: Any) -> None:
     """A resume started while this process's save is in flight resumes what that save leaves: before,
     it took the previous tag, which the save's retention could remove while it was being read."""

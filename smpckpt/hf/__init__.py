@@ -85,8 +85,16 @@ def check_config_tensors(translation: Translation | None, config: Any, artifact_
     name = translation.name if translation is not None else (str(get("model_type")) if config is not None else "")
     family = TRANSLATIONS.get(name)
     keys = dict.fromkeys(artifact_keys)  # a set in the order written, for messages
-    if translation is None and config is not None:  # any family's, or a model of the user's own
-        refuse_adapters(keys, "hf_config makes the artifact a Hugging Face folder, but ")
+    known = family if family is not None else TRANSLATIONS.get(str(get("model_type"))) if config is not None else None
+    if known is not None:
+        # adapter state under any module: a family smpckpt knows has no such modules. A model of one's own may
+        # build PEFT's in its __init__ (Phi-4-multimodal) and read them back: its family is its own (rev70b M1)
+        who = (
+            f"translation {name!r}: "
+            if translation is not None
+            else "hf_config makes the artifact a Hugging Face folder, but "
+        )
+        refuse_adapters(keys, who)
     layers = sorted({int(m.group(1)) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k))})
     if family is None:
         return

@@ -140,6 +140,9 @@ def _fit_checks() -> ModuleType:
 
 
 def _shapes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    for k, v in state_dict.items():
+        if not isinstance(v, torch.Tensor):  # named, as the translation itself does (rev70b L1)
+            raise TypeError(f"{k!r}: expected a tensor, got {type(v).__name__}")
     return {k: tuple(v.shape) for k, v in state_dict.items()}
 
 

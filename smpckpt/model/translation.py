@@ -456,14 +456,24 @@ def _refuse_stranded(translation: Translation, stranded: Mapping[str, str], side
         )
 
 
-#: the module names PEFT gives an adapter's state and its wrapping of the module it adapts: LoRA's
-#: ``adapter_layer_names`` (``lora_A``, ``lora_B``, ``lora_embedding_A``/``_B``), DoRA's
-#: ``lora_magnitude_vector``, AdaLoRA's ``lora_E``, the wrapped module (``base_layer``) and
-#: ``ModulesToSaveWrapper``'s ``original_module`` / ``modules_to_save``. No transformers model names a module
-#: so; a name merely containing ``lora`` (``flora_A``) is no adapter's.
+#: the module names PEFT (0.21.2) gives an adapter's state -- every tuner layer's ``adapter_layer_names``
+#: (LoRA's ``lora_A``/``lora_B``, DoRA's ``lora_magnitude_vector``, IA3's ``ia3_l``, LoHa's ``hada_*``, LoKr's
+#: ``lokr_*``, OFT's ``oft_R``, VeRA's ``vera_lambda_*`` ...) -- and its wrapping of the module adapted
+#: (``base_layer``; ``ModulesToSaveWrapper``'s ``original_module`` / ``modules_to_save``). No transformers
+#: model names a module so (5.23's ``modeling_*.py``, grepped); a name merely containing one (``flora_A``)
+#: is no adapter's. A saved adapter's own file holds these names beside the base weights.
 ADAPTER_NAMES = frozenset(
-    ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "lora_E")
-    + ("base_layer", "original_module", "modules_to_save")
+    """adamss_A adamss_B beft_bias boft_R boft_s c3a_kernel deft_P deft_R delora_A delora_B delora_lambda
+    fourierft_spectrum frod_lambda_l frod_lambda_s_values glora_A glora_B glora_C glora_D glora_E gralora_A
+    gralora_A_general gralora_B gralora_B_general hada_t1 hada_t2 hada_w1_a hada_w1_b hada_w2_a hada_w2_b hira_A
+    hira_B hira_embedding_A hira_embedding_B hra_u ia3_l lily_A lily_B lily_router ln_tuning_layers lokr_t2 lokr_w1
+    lokr_w1_a lokr_w1_b lokr_w2 lokr_w2_a lokr_w2_b lora_A lora_B lora_E lora_embedding_A lora_embedding_B
+    lora_magnitude_vector miss_block oft_R oft_embedding_R osf_svd_params peanut_A peanut_B peanut_decoders
+    peanut_encoders poly_lora_A poly_lora_B poly_router psoft_R pvera_lambda_b pvera_lambda_d randlora_gamma
+    randlora_lambda road_alpha road_theta shadow_down shadow_dropout shadow_up shadow_update_gate
+    shadow_update_transform shira_weight supertuning_lora_A supertuning_lora_B supertuning_values tinylora_v
+    trainable_tokens_delta unilora_theta_d vblora_logits_A vblora_logits_B vblora_vector_bank vera_lambda_b
+    vera_lambda_d waveft_spectrum base_layer original_module modules_to_save""".split()
 )
 
 
@@ -480,8 +490,8 @@ def refuse_adapters(keys: Iterable[str], who: str) -> None:
     if found:
         raise SpecError(
             f"{who}{_show(found)} ({len(found)} tensor{'s' if len(found) > 1 else ''}) are state an adapter adds "
-            "to its module or PEFT's wrapping of it (LoRA's lora_A/lora_B, DoRA's lora_magnitude_vector, "
-            "base_layer), which a Hugging Face model does not have: from_pretrained would drop them, loading the "
+            "to its module or PEFT's wrapping of it (LoRA's lora_A/lora_B, IA3's ia3_l, LoKr's lokr_*, "
+            "base_layer, ...), which a Hugging Face model does not have: from_pretrained would drop them, loading the "
             "model without the adapter. Merge or strip adapters before export (PEFT's merge_and_unload(), or leave "
             "those keys out)"
         )
@@ -539,8 +549,6 @@ def check_translates(
             f"{'fused tensors' if side == 'ours' else 'tensors to fuse'}: use the translation of the model's family"
         )
     _refuse_stranded(translation, _stranded(translation, kept, shapes, side), side)
-    if side == "ours":  # an adapter's state under a module no rule touches (README: an export's only)
-        refuse_adapters(kept, f"translation {translation.name!r}: ")
     absent = [k for k in kept if translation.is_absent(k)]
     if absent:
         raise SpecError(

@@ -18,6 +18,7 @@ from hf_reference import AUTO_CLASS, MODULES, tiny_model
 
 import smpckpt
 from smpckpt.hf import check_translation
+from smpckpt.model.translation import Translation
 from smpckpt.tools.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -44,10 +45,14 @@ def _peft(state: dict[str, torch.Tensor], how: str) -> dict[str, torch.Tensor]:
         out["model.embed_tokens.lora_embedding_A.default"] = torch.randn(4, 96)
     elif how == "base_layer":  # the wrapped module's own weight, which from_pretrained reads nowhere
         out[_Q + "base_layer.weight"] = out.pop(_Q + "weight")
+    elif how == "ia3":  # PEFT's other tuners (rev70b M2): IA3's and LoKr's saved names
+        out[_Q + "ia3_l"] = torch.ones(w.shape[0], 1)
+    elif how == "lokr":
+        out[_Q + "lokr_w1"] = torch.randn(2, 2)
     return out
 
 
-HOWS = ["lora", "lora_default", "dora", "embedding", "base_layer"]
+HOWS = ["lora", "lora_default", "dora", "embedding", "base_layer", "ia3", "lokr"]
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -107,6 +112,46 @@ def test_adapter_names_are_peft_module_names_not_substrings() -> None:
     ours = MODULES["llama"].translate_hf_state_dict_to_smpckpt(tiny_model("llama", seed=1).state_dict())
     shapes = {k: tuple(v.shape) for k, v in ours.items()} | {k: (4,) for k in keys}
     check_translation(MODULES["llama"].TRANSLATION, shapes, "ours")
+
+
+def test_a_model_of_ones_own_may_hold_pefts_modules(tmp_path: Path) -> None:
+    """A model whose own ``__init__`` builds PEFT's modules (Phi-4-multimodal's remote code calls
+    ``get_peft_model``) reads ``base_layer``/``lora_A`` back in ``from_pretrained``: under a config of a family
+    smpckpt does not know it is written as it is (rev70b M1: refused), read back bit-exact; under a family it
+    knows, with a translation that has no rules of its own, it is refused (rev70b L2)."""
+    state = {
+        "model.q_proj.base_layer.weight": torch.randn(8, 8),
+        "model.q_proj.lora_A.vision.weight": torch.randn(2, 8),
+    }
+    smpckpt.save_checkpoint(
+        str(tmp_path),
+        "own",
+        partial=False,
+        model=Holder({k: v.clone() for k, v in state.items()}),
+        hf_config={"model_type": "mymm"},
+    )
+    back = Holder({k: torch.zeros_like(v) for k, v in state.items()})
+    smpckpt.resume_from_checkpoint(str(tmp_path), "own", partial=False, model=back)
+    got = {k: p.detach() for k, p in back.named_parameters()}
+    assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state)
+    hf = tiny_model("llama", seed=1, dtype=torch.float32)
+    ruleless = Translation("mine", tied=dict(MODULES["llama"].TRANSLATION.tied))
+    with pytest.raises(smpckpt.SpecError, match=r"lora_A\.weight.*merge_and_unload"):
+        smpckpt.save_checkpoint(
+            str(tmp_path),
+            "r",
+            partial=False,
+            model=Holder(_peft(hf.state_dict(), "lora")),
+            translate_function=ruleless,
+            hf_config=hf.config,
+        )
+
+
+def test_eager_helpers_name_a_value_that_is_no_tensor() -> None:
+    """A non-tensor value (an ``_extra_state``) is named by key, not an ``AttributeError`` (rev70b L1)."""
+    ours = MODULES["llama"].translate_hf_state_dict_to_smpckpt(tiny_model("llama", seed=1).state_dict())
+    with pytest.raises(TypeError, match=r"'model\.layers\.0\.mlp\._extra_state': expected a tensor, got NoneType"):
+        MODULES["llama"].translate_state_dict_to_hf(ours | {"model.layers.0.mlp._extra_state": None})
 
 
 # -- the eager helpers run the export's fit checks -------------------------------------------------------

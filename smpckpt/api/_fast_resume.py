@@ -56,6 +56,7 @@ from smpckpt.errors import (
     CheckpointNotFound,
     LayoutMismatch,
     NodeFull,
+    RootInUse,
     SpecError,
     UnsafeCheckpoint,
     loaded_in_place,
@@ -86,6 +87,8 @@ class TierChoice:
     streams: tuple[Any, ...]  #: this process's gloo groups for the transfers (the first: agreements)
     fast: tuple[FastCandidate, ...]
     durable: Target | None
+    #: (tag=None) why the two-jobs check refuses each of ``fast``, then ``durable`` ("": taken; rank 0's counter)
+    refused: tuple[str, ...] = ()
 
     @property
     def group(self) -> Any:
@@ -147,7 +150,12 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
         rec = newest_record(req.root, req.storage_options)
         return rec is not None and rec.state not in ("committed", "missing", "removing", "legacy")
 
-    durable = ctx.on_coordinator(durable_target)
+    def decided() -> tuple[Target | None, tuple[str, ...]]:
+        target = durable_target()
+        return target, _refusals(req, part, found, target)
+
+    durable, refused = ctx.on_coordinator(decided)
+    _refuse(refused, 0)  # the first choice: before anything is noted (seen_by) or read, as a plain resume's
     # tag=None with path's newest damaged: the Checkpointer refuses that by name (CheckpointCorrupt), not
     # "not found" here, which a caller may take for a fresh start over a checkpoint that is there (rev68a F1)
     damaged = durable is None and req.tag is None and bool(found) and ctx.on_coordinator(newest_damaged)
@@ -166,7 +174,36 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
     # whichever is later in the root's order (sequence number, then save time: a drained copy is the fast
     # copy's manifest, so it ties and the fast copy is taken), for tag=... too: a tag saved again in `path`
     # (overwrite=True by a job without this fast tier) leaves an older save of that tag in the fast tier
-    return TierChoice(nodes, job, streams, tuple(usable_saves(found, durable, req.tag)), durable)
+    return TierChoice(nodes, job, streams, tuple(usable_saves(found, durable, req.tag)), durable, refused)
+
+
+def _refusals(
+    req: ResumeRequest, part: FastTierPart, found: list[FastCandidate], durable: Target | None
+) -> tuple[str, ...]:
+    """(rank 0) A tag-less resume's two-jobs check (``SequenceCounter.resuming``, as a plain Checkpointer's) of
+    each checkpoint it may load, in order: :func:`usable_saves`, then ``durable``; another job's checkpoint this
+    job never saw, in ``path`` or in a fast-tier folder two jobs share, is refused, not loaded (rev69k)."""
+    if req.tag is not None:
+        return ()
+    try:
+        usable = usable_saves(found, durable, None)
+    except CheckpointError:  # ambiguous histories: every rank raises it alike after the broadcast
+        return ()
+    said = []
+    for c in (*usable, *([durable] if durable is not None else [])):
+        try:
+            part.counter.resuming(c, None)
+            said.append("")
+        except RootInUse as exc:
+            said.append(str(exc))
+    return tuple(said)
+
+
+def _refuse(refused: tuple[str, ...], i: int) -> None:
+    """(every rank alike) Refuse the ``i``-th checkpoint a resume may load (``TierChoice.fast``, then ``path``'s)
+    when the two-jobs check did (:func:`_refusals`); a fallback reaching another job's checkpoint too."""
+    if i < len(refused) and refused[i]:
+        raise RootInUse(refused[i])
 
 
 def _refuse_emptied(req: ResumeRequest, job: str, durable: Target | None, newest: str) -> None:
@@ -271,6 +308,7 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
     try:
         durable = choice.durable
         for i, cand in enumerate(choice.fast):
+            _refuse(choice.refused, i)
             manifest: Manifest | None = None
             for attempt in (cand, None):  # the copies as listed, then (once) as judged after a failure
                 if attempt is None:  # fetched again: a node whose copy of the metadata was corrupt lacks it now
@@ -336,6 +374,7 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
                 raise first
         if choice.durable is None:
             return None
+        _refuse(choice.refused, len(choice.fast))
         loaded = _load_durable(req, ctx, choice.durable, part)
         if ctx.is_coordinator and not is_drained(read_drained(choice.job), choice.durable.tag, choice.durable.order[2]):
             # (node 0's first rank) the job goes on from it: path holding it is no emptied path (rev68i F3)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smpckpt import Checkpointer, Retention
+from smpckpt import Checkpointer, FastTier, Retention
 from smpckpt.errors import RootInUse
 
 #: the other job: builds the model below, resumes (argv[3] == "resume") or not, saves argv[2] (keeping 1); with
@@ -130,4 +130,24 @@ def refused_world(rank: int, world: int, root: str) -> dict[str, Any]:
             ckpt.save("s2", m, o)
         except RootInUse as exc:
             return {"error": str(exc), "dirs": sorted(os.listdir(root))}
+    return {"error": None}
+
+
+def refused_tiered_resume_world(rank: int, world: int, root: str, fast: str) -> dict[str, Any]:
+    """Two ranks of one node save s1 through a fast tier; the other job saves t1 into the root; the tag-less
+    resume: refused on every rank alike (the same words), nothing applied."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    m, o = model()
+    with Checkpointer(root, fast_tier=FastTier(fast, replicas=1)) as ckpt:
+        ckpt.save("s1", m, o)
+        ckpt.wait()
+        if rank == 0:
+            other_job(root, "t1")
+        dist.barrier()
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        try:
+            ckpt.resume(model=m, optimizer=o)
+        except RootInUse as exc:
+            same = all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+            return {"error": str(exc), "unchanged": same}
     return {"error": None}

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from root_jobs_workers import model, other_job, stepped_job, tiered_job
+from dist_harness import run_world
+from root_jobs_workers import model, other_job, refused_tiered_resume_world, stepped_job, tiered_job
 from torch import nn
 
 from smpckpt import Checkpointer, FastTier, resume_from_checkpoint
@@ -64,6 +65,16 @@ def test_a_tiered_jobs_tag_less_resume_refuses_the_other_jobs_checkpoint(tmp_pat
         a.resume("s1", model=m, optimizer=o)
         assert _same(m, s1)
     assert sorted(r.tag for r in scan_root(root) if r.committed) == ["s1", "t1"]
+
+
+@pytest.mark.dist
+def test_every_rank_of_a_tiered_job_gets_the_resume_refusal(tmp_path: Any) -> None:
+    """Two ranks of one node: rank 0's counter decides, every rank raises RootInUse with the same words (no hang,
+    no "rank 0 failed"), nothing applied."""
+    got = run_world(refused_tiered_resume_world, 2, str(tmp_path / "run"), str(tmp_path / "fast"), timeout=180)
+    assert got[0]["error"] is not None and "'t1' (sequence 2)" in got[0]["error"], got
+    assert "this resume is refused" in got[0]["error"] and got[1]["error"] == got[0]["error"], got
+    assert got[0]["unchanged"] and got[1]["unchanged"], got
 
 
 def test_a_tiered_restarts_tag_less_resume_takes_its_predecessors_and_then_its_own(tmp_path: Any) -> None:

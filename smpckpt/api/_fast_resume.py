@@ -3,7 +3,8 @@ committed in ``path``, whichever is newer; a fast-tier copy that cannot be loade
 then to ``path``'s (README, "Tiered checkpoints").
 
 :func:`choose_tier` (all: listings gathered, complete fast-tier saves newest first; rank 0 finds
-``path``'s newest, broadcast; ``tag=None`` refuses diverged histories, :func:`_same_history`) ->
+``path``'s newest, broadcast; ``tag=None`` refuses diverged histories, :func:`_same_history`, and another
+job's checkpoint it would load, :func:`_refusals`) ->
 :func:`load_tiered` (all, for each newer fast-tier save: its manifest and metadata broadcast and written by
 the leaders that lack them, dcp.load with a :class:`PeerFetchingReader` fetching from peers the parts a node lacks; on failure
 the leaders check their copies (``repair``) and the load is tried once more from a good peer), then

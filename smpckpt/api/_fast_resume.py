@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from smpckpt.api._dist import DistContext
-from smpckpt.api._drain import is_drained, note_drained, path_down, read_drained
+from smpckpt.api._drain import is_drained, note_drained, path_down, read_drained, refuse_emptied
 from smpckpt.api._resume import (
     ResumeRequest,
     Target,
@@ -50,7 +50,7 @@ from smpckpt.api._tiers import (
     runs_of,
     tier_seq,
 )
-from smpckpt.catalog.root import newest_record, partial_dirname, partial_url
+from smpckpt.catalog.root import newest_record, partial_dirname
 from smpckpt.errors import (
     LOADED_IN_PLACE,
     CheckpointError,
@@ -63,7 +63,7 @@ from smpckpt.errors import (
     loaded_in_place,
 )
 from smpckpt.planners import ParallelLoadPlanner
-from smpckpt.storage import Manifest, probe_checkpoint
+from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs, read_bytes_or_none
 from smpckpt.storage.format.manifest import MANIFEST_NAME
@@ -144,7 +144,8 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
             _warn_on(ctx, f"path {req.root} is unreachable ({exc}): resuming {req.tag!r} from the fast tier", 7)
             return None
         if req.tag is None and complete and (target is None or complete[0].order >= target.order):
-            _refuse_emptied(req, job, target, complete[0].tag)
+            drained = (target.tag, target.order[2]) if target is not None else None
+            refuse_emptied(req.root, req.storage_options, job, drained, complete[0].tag)
         return target
 
     def newest_damaged() -> bool:  # as the Checkpointer's refusal of path's damaged newest tells it
@@ -205,25 +206,6 @@ def _refuse(refused: tuple[str, ...], i: int) -> None:
     when the two-jobs check did (:func:`_refusals`); a fallback reaching another job's checkpoint too."""
     if i < len(refused) and refused[i]:
         raise RootInUse(refused[i])
-
-
-def _refuse_emptied(req: ResumeRequest, job: str, durable: Target | None, newest: str) -> None:
-    """(rank 0) Refuse the fast tier's ``newest`` when ``path`` holds none of the drains its job folder
-    recorded, each the save recorded, not a new run's of the tag's name (tiers68 F2, rev68b F1: an emptied
-    path, a new run's, resumed the old run's copies silently)."""
-    drained = read_drained(job)
-    if not drained or (durable is not None and is_drained(drained, durable.tag, durable.order[2])):
-        return
-    for t in drained:
-        found = probe_checkpoint(partial_url(req.root, t), req.storage_options)
-        if found.state == "committed" and found.manifest and is_drained(drained, t, found.manifest.save_id):
-            return
-    raise CheckpointNotFound(
-        f"path {req.root} holds none of the saves this fast tier's job drained there (tags "
-        f"{', '.join(map(repr, list(drained)[:3]))}; emptied, or a new run on the same path?), while its fast-tier "
-        f"folder ({job} on node 0, {os.path.basename(job)} in every node's local_path) holds {newest!r}: remove "
-        f"that folder on every node to start fresh, or pass tag={newest!r} to resume the fast copy knowingly"
-    )
 
 
 def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | None) -> list[FastCandidate]:

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 from smpckpt.api._dist import DistContext
 from smpckpt.api._save import SaveRequest, publish_newest, retain
 from smpckpt.api._tiers import Nodes
-from smpckpt.catalog.root import sequence_of
-from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointExists
-from smpckpt.storage import tools
+from smpckpt.catalog.root import partial_url, sequence_of
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointExists, CheckpointNotFound
+from smpckpt.storage import probe_checkpoint, tools
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, open_sink
@@ -90,6 +90,26 @@ def note_drained(job: str, tag: str, save_id: str) -> None:
         os.replace(tmp, os.path.join(job, JOB_DRAINED))
     except OSError as exc:
         log.warning("could not record the drain of %r in %s: %s", tag, job, exc)
+
+
+def refuse_emptied(root: str, storage_options: Any, job: str, durable: tuple[str, str] | None, newest: str) -> None:
+    """(rank 0, a tiered resume) Refuse the fast tier's ``newest`` when ``path`` (``root``) holds none of the drains
+    the job folder ``job`` recorded, each the save recorded, not a new run's of the tag's name (``durable``: path's
+    newest, tag and save id; tiers68 F2, rev68b F1: an emptied path, a new run's, resumed the old run's copies
+    silently)."""
+    drained = read_drained(job)
+    if not drained or (durable is not None and is_drained(drained, *durable)):
+        return
+    for t in drained:
+        found = probe_checkpoint(partial_url(root, t), storage_options)
+        if found.state == "committed" and found.manifest and is_drained(drained, t, found.manifest.save_id):
+            return
+    raise CheckpointNotFound(
+        f"path {root} holds none of the saves this fast tier's job drained there (tags "
+        f"{', '.join(map(repr, list(drained)[:3]))}; emptied, or a new run on the same path?), while its fast-tier "
+        f"folder ({job} on node 0, {os.path.basename(job)} in every node's local_path) holds {newest!r}: remove "
+        f"that folder on every node to start fresh, or pass tag={newest!r} to resume the fast copy knowingly"
+    )
 
 
 def path_down(exc: BaseException) -> bool:

@@ -3,7 +3,8 @@ committed in ``path``, whichever is newer; a fast-tier copy that cannot be loade
 then to ``path``'s (README, "Tiered checkpoints").
 
 :func:`choose_tier` (all: listings gathered, complete fast-tier saves newest first; rank 0 finds
-``path``'s newest, broadcast; ``tag=None`` refuses diverged histories, :func:`_same_history`) ->
+``path``'s newest, broadcast; ``tag=None`` refuses diverged histories, :func:`_same_history`, and another
+job's checkpoint it would load, :func:`_refusals`) ->
 :func:`load_tiered` (all, for each newer fast-tier save: its manifest and metadata broadcast and written by
 the leaders that lack them, dcp.load with a :class:`PeerFetchingReader` fetching from peers the parts a node lacks; on failure
 the leaders check their copies (``repair``) and the load is tried once more from a good peer), then
@@ -22,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from smpckpt.api._dist import DistContext
-from smpckpt.api._drain import is_drained, note_drained, path_down, read_drained
+from smpckpt.api._drain import is_drained, note_drained, path_down, read_drained, refuse_emptied
 from smpckpt.api._resume import (
     ResumeRequest,
     Target,
@@ -49,19 +50,20 @@ from smpckpt.api._tiers import (
     runs_of,
     tier_seq,
 )
-from smpckpt.catalog.root import newest_record, partial_dirname, partial_url
+from smpckpt.catalog.root import newest_record, partial_dirname
 from smpckpt.errors import (
     LOADED_IN_PLACE,
     CheckpointError,
     CheckpointNotFound,
     LayoutMismatch,
     NodeFull,
+    RootInUse,
     SpecError,
     UnsafeCheckpoint,
     loaded_in_place,
 )
 from smpckpt.planners import ParallelLoadPlanner
-from smpckpt.storage import Manifest, probe_checkpoint
+from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs, read_bytes_or_none
 from smpckpt.storage.format.manifest import MANIFEST_NAME
@@ -86,6 +88,8 @@ class TierChoice:
     streams: tuple[Any, ...]  #: this process's gloo groups for the transfers (the first: agreements)
     fast: tuple[FastCandidate, ...]
     durable: Target | None
+    #: (tag=None) why the two-jobs check refuses each of ``fast``, then ``durable`` ("": taken; rank 0's counter)
+    refused: tuple[str, ...] = ()
 
     @property
     def group(self) -> Any:
@@ -140,14 +144,20 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
             _warn_on(ctx, f"path {req.root} is unreachable ({exc}): resuming {req.tag!r} from the fast tier", 7)
             return None
         if req.tag is None and complete and (target is None or complete[0].order >= target.order):
-            _refuse_emptied(req, job, target, complete[0].tag)
+            drained = (target.tag, target.order[2]) if target is not None else None
+            refuse_emptied(req.root, req.storage_options, job, drained, complete[0].tag)
         return target
 
     def newest_damaged() -> bool:  # as the Checkpointer's refusal of path's damaged newest tells it
         rec = newest_record(req.root, req.storage_options)
         return rec is not None and rec.state not in ("committed", "missing", "removing", "legacy")
 
-    durable = ctx.on_coordinator(durable_target)
+    def decided() -> tuple[Target | None, tuple[str, ...]]:
+        target = durable_target()
+        return target, _refusals(req, part, found, target)
+
+    durable, refused = ctx.on_coordinator(decided)
+    _refuse(refused, 0)  # the first choice: before anything is noted (seen_by) or read, as a plain resume's
     # tag=None with path's newest damaged: the Checkpointer refuses that by name (CheckpointCorrupt), not
     # "not found" here, which a caller may take for a fresh start over a checkpoint that is there (rev68a F1)
     damaged = durable is None and req.tag is None and bool(found) and ctx.on_coordinator(newest_damaged)
@@ -166,26 +176,36 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
     # whichever is later in the root's order (sequence number, then save time: a drained copy is the fast
     # copy's manifest, so it ties and the fast copy is taken), for tag=... too: a tag saved again in `path`
     # (overwrite=True by a job without this fast tier) leaves an older save of that tag in the fast tier
-    return TierChoice(nodes, job, streams, tuple(usable_saves(found, durable, req.tag)), durable)
+    return TierChoice(nodes, job, streams, tuple(usable_saves(found, durable, req.tag)), durable, refused)
 
 
-def _refuse_emptied(req: ResumeRequest, job: str, durable: Target | None, newest: str) -> None:
-    """(rank 0) Refuse the fast tier's ``newest`` when ``path`` holds none of the drains its job folder
-    recorded, each the save recorded, not a new run's of the tag's name (tiers68 F2, rev68b F1: an emptied
-    path, a new run's, resumed the old run's copies silently)."""
-    drained = read_drained(job)
-    if not drained or (durable is not None and is_drained(drained, durable.tag, durable.order[2])):
-        return
-    for t in drained:
-        found = probe_checkpoint(partial_url(req.root, t), req.storage_options)
-        if found.state == "committed" and found.manifest and is_drained(drained, t, found.manifest.save_id):
-            return
-    raise CheckpointNotFound(
-        f"path {req.root} holds none of the saves this fast tier's job drained there (tags "
-        f"{', '.join(map(repr, list(drained)[:3]))}; emptied, or a new run on the same path?), while its fast-tier "
-        f"folder ({job} on node 0, {os.path.basename(job)} in every node's local_path) holds {newest!r}: remove "
-        f"that folder on every node to start fresh, or pass tag={newest!r} to resume the fast copy knowingly"
-    )
+def _refusals(
+    req: ResumeRequest, part: FastTierPart, found: list[FastCandidate], durable: Target | None
+) -> tuple[str, ...]:
+    """(rank 0) A tag-less resume's two-jobs check (``SequenceCounter.resuming``, as a plain Checkpointer's) of
+    each checkpoint it may load, in order: :func:`usable_saves`, then ``durable``; another job's checkpoint this
+    job never saw, in ``path`` or in a fast-tier folder two jobs share, is refused, not loaded (rev69k)."""
+    if req.tag is not None:
+        return ()
+    try:
+        usable = usable_saves(found, durable, None)
+    except CheckpointError:  # ambiguous histories: every rank raises it alike after the broadcast
+        return ()
+    said = []
+    for c in (*usable, *([durable] if durable is not None else [])):
+        try:
+            part.counter.resuming(c, None)
+            said.append("")
+        except RootInUse as exc:
+            said.append(str(exc))
+    return tuple(said)
+
+
+def _refuse(refused: tuple[str, ...], i: int) -> None:
+    """(every rank alike) Refuse the ``i``-th checkpoint a resume may load (``TierChoice.fast``, then ``path``'s)
+    when the two-jobs check did (:func:`_refusals`); a fallback reaching another job's checkpoint too."""
+    if i < len(refused) and refused[i]:
+        raise RootInUse(refused[i])
 
 
 def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | None) -> list[FastCandidate]:
@@ -271,6 +291,7 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
     try:
         durable = choice.durable
         for i, cand in enumerate(choice.fast):
+            _refuse(choice.refused, i)
             manifest: Manifest | None = None
             for attempt in (cand, None):  # the copies as listed, then (once) as judged after a failure
                 if attempt is None:  # fetched again: a node whose copy of the metadata was corrupt lacks it now
@@ -336,6 +357,7 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
                 raise first
         if choice.durable is None:
             return None
+        _refuse(choice.refused, len(choice.fast))
         loaded = _load_durable(req, ctx, choice.durable, part)
         if ctx.is_coordinator and not is_drained(read_drained(choice.job), choice.durable.tag, choice.durable.order[2]):
             # (node 0's first rank) the job goes on from it: path holding it is no emptied path (rev68i F3)

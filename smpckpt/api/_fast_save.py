@@ -231,8 +231,13 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")
 
     def decide() -> tuple[int, int, FastCandidate | None, tuple[str, ...], tuple[int, ...], tuple[Any, Any], bool]:
-        # the fast tiers' copies are numbered too (catalog.root): this save is numbered after them
-        copies = [c.order[0] for view in views for c in view.values() if c.digest is not None]
+        # the fast tiers' copies are numbered too (catalog.root): this save is numbered after them; once this job
+        # drew, not after another job's sharing this fast folder (one node, one local_path and path): counted seen,
+        # its drained checkpoint was no longer refused and this job's retention removed it from path (fix70a)
+        me = part.counter.job
+        copies = [
+            c.order[0] for v in views for c in v.values() if c.digest is not None and c.job in (None, me or c.job)
+        ]
         part.counter.saw(max(copies, default=0))
         try:
             if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):

@@ -25,7 +25,15 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from smpckpt.api._dist import DistContext
-from smpckpt.catalog.root import abandoned_of, list_partial_tags, open_root, partial_dirname, record_order, scan_root
+from smpckpt.catalog.root import (
+    JOB_KEY,
+    abandoned_of,
+    list_partial_tags,
+    open_root,
+    partial_dirname,
+    record_order,
+    scan_root,
+)
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import create_bytes_exclusive
@@ -344,6 +352,7 @@ class LocalCopy:
     abandoned: tuple[tuple[int, int], ...] = ()  #: what its history abandoned (``catalog.root.abandoned_of``)
     runs: tuple[tuple[int, int], ...] = ()  #: ``extra["tier"]["runs"]`` (:data:`RUNS`; empty: not recorded)
     passed: tuple[tuple[int, int], ...] = ()  #: ``extra["tier"]["passed"]`` (:data:`RUNS`)
+    job: str | None = None  #: ``extra["job"]``, the job that saved it (two jobs may share one fast-tier folder)
 
     @property
     def committed(self) -> bool:
@@ -460,6 +469,7 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
         abandoned=abandoned_of(manifest.extra),
         runs=runs_of(tier.get("runs")),
         passed=runs_of(tier.get("passed")),
+        job=job if isinstance(job := manifest.extra.get(JOB_KEY), str) else None,
     )
     return copy, data
 
@@ -495,6 +505,7 @@ class FastCandidate:
     abandoned: tuple[tuple[int, int], ...] = ()  #: :attr:`LocalCopy.abandoned`
     runs: tuple[tuple[int, int], ...] = ()  #: :attr:`LocalCopy.runs`
     passed: tuple[tuple[int, int], ...] = ()  #: :attr:`LocalCopy.passed`
+    job: str | None = None  #: :attr:`LocalCopy.job` (a tag-less resume refuses another job's: ``catalog.root``)
 
     @property
     def complete(self) -> bool:
@@ -526,7 +537,7 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
         }
         held[MANIFEST_NAME] = tuple(i for i, v in enumerate(views) if t in v and v[t].digest == digest)
         missing = tuple(sorted(n for n, where in held.items() if not where))
-        more = (copy.durable, copy.path_seen, copy.lineage, copy.abandoned, copy.runs, copy.passed)
+        more = (copy.durable, copy.path_seen, copy.lineage, copy.abandoned, copy.runs, copy.passed, copy.job)
         out.append(FastCandidate(t, digest, copy.seq, copy.order, held, missing, *more))
     out.sort(key=lambda c: (c.key, c.tag), reverse=True)
     return out

@@ -233,11 +233,12 @@ class SequenceCounter:
             self._accepted = max(self._accepted, seq) if 0 <= seq < _MAX else self._accepted
 
     def resuming(self, target: T, tag: str | None) -> T:
-        """(rank 0) ``target`` (``api._resume.Target``), which a resume of ``tag`` chose; refused when tag-less, this job
-        saved and it is another's above all this job saved or resumed: rolling back, it would take that job's state
-        silently (rev69c 1); reading that job's number (an export's draw, a refused save) accepts nothing (rev69i 1)."""
+        """(rank 0) ``target`` (``api._resume.Target``, or a fast-tier copy naming its ``job``:
+        ``api._tiers.FastCandidate``), which a resume of ``tag`` chose; refused when tag-less, this job saved and it is
+        another's above all this job saved or resumed: rolling back, it would take that job's state silently (rev69c
+        1); reading that job's number (an export's draw, a refused save) accepts nothing (rev69i 1)."""
         manifest, seq = getattr(target, "manifest", None), getattr(target, "order", (0,))[0]
-        job = getattr(manifest, "extra", {}).get(JOB_KEY)
+        job = getattr(manifest, "extra", {}).get(JOB_KEY, getattr(target, "job", None))
         theirs = job not in (None, self.job)
         # at this job's own number too (a failed save's, a predecessor's drawn alike: rev69j), but the one resumed
         resumed = (getattr(target, "tag", None), seq) == self._from[1:]

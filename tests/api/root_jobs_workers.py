@@ -12,22 +12,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smpckpt import Checkpointer, Retention
+from smpckpt import Checkpointer, FastTier, Retention
 from smpckpt.errors import RootInUse
 
-#: the other job: builds the model below, resumes (argv[3] == "resume") or not, saves argv[2] (keeping 1)
+#: the other job: builds the model below, resumes (argv[3] == "resume") or not, saves argv[2] (keeping 1); with
+#: argv[5], through a fast tier in that folder (drained at each save)
 _JOB = r"""
 import json, sys, torch
 from torch import nn
 import smpckpt
 root, tag, resume, options = sys.argv[1], sys.argv[2], sys.argv[3] == "resume", json.loads(sys.argv[4])
+tier = smpckpt.FastTier(sys.argv[5], replicas=1) if len(sys.argv) > 5 else None
 torch.manual_seed(1)
 m = nn.Linear(4, 2)
 o = torch.optim.AdamW(m.parameters(), lr=1e-2)
 m(torch.randn(3, 4)).sum().backward()
 o.step()
 where = smpckpt.Location(root, storage_options=options)
-with smpckpt.Checkpointer(where, retention=smpckpt.Retention(num_kept_partial_checkpoints=1)) as ckpt:
+with smpckpt.Checkpointer(where, fast_tier=tier, retention=smpckpt.Retention(num_kept_partial_checkpoints=1)) as ckpt:
     if resume:
         ckpt.resume(model=m, optimizer=o)
         print("resumed", ckpt.last_resume_info.tag, flush=True)
@@ -99,10 +101,13 @@ def model() -> tuple[nn.Module, torch.optim.Optimizer]:
     return m, o
 
 
-def other_job(root: str, tag: str, resume: bool = False, options: dict[str, Any] | None = None) -> str:
-    """Run the other job to its end; its stdout and stderr (the warnings)."""
+def other_job(
+    root: str, tag: str, resume: bool = False, options: dict[str, Any] | None = None, fast: str | None = None
+) -> str:
+    """Run the other job to its end (``fast``: through a fast tier in that folder); its stdout and stderr."""
     done = subprocess.run(
-        [sys.executable, "-c", _JOB, root, tag, "resume" if resume else "fresh", json.dumps(options)],
+        [sys.executable, "-c", _JOB, root, tag, "resume" if resume else "fresh", json.dumps(options)]
+        + ([fast] if fast is not None else []),
         capture_output=True,
         text=True,
         timeout=300,
@@ -125,4 +130,24 @@ def refused_world(rank: int, world: int, root: str) -> dict[str, Any]:
             ckpt.save("s2", m, o)
         except RootInUse as exc:
             return {"error": str(exc), "dirs": sorted(os.listdir(root))}
+    return {"error": None}
+
+
+def refused_tiered_resume_world(rank: int, world: int, root: str, fast: str) -> dict[str, Any]:
+    """Two ranks of one node save s1 through a fast tier; the other job saves t1 into the root; the tag-less
+    resume: refused on every rank alike (the same words), nothing applied."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    m, o = model()
+    with Checkpointer(root, fast_tier=FastTier(fast, replicas=1)) as ckpt:
+        ckpt.save("s1", m, o)
+        ckpt.wait()
+        if rank == 0:
+            other_job(root, "t1")
+        dist.barrier()
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        try:
+            ckpt.resume(model=m, optimizer=o)
+        except RootInUse as exc:
+            same = all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+            return {"error": str(exc), "unchanged": same}
     return {"error": None}

@@ -46,25 +46,27 @@ def _refused_naming_the_other(ckpt: Checkpointer, m: nn.Module, o: Any, root: st
             assert part in message, (part, message)
 
 
-@pytest.mark.parametrize("where", ["local", "s3", "tiered"])
+@pytest.mark.parametrize("where", ["local", "s3", "tiered", "shared"])
 def test_a_second_job_saving_into_the_root_is_refused_at_the_next_save_and_nothing_is_removed(
     tmp_path: Any, request: pytest.FixtureRequest, where: str
 ) -> None:
     """Job A saves s1 (keeping 1); job B, a second launch that resumed nothing, saves t1 (keeping 1) into the
     same root. Before: B's retention removed A's s1, and A's next save went on (numbered after t1), removing t1
     in turn; a tag-less restart of either resumed the other's state. Now B keeps s1 as abandoned (with a
-    warning naming it) and A's next save is refused, naming t1; nothing is removed, ``newest`` stays t1."""
+    warning naming it) and A's next save is refused, naming t1; nothing is removed, ``newest`` stays t1. ``shared``:
+    B saves through a fast tier in A's local_path too (fix70a: A's tiered save counted B's fast copy of t1 as seen,
+    was not refused and its retention removed t1 from path)."""
     options: dict[str, Any] | None = None
     root = str(tmp_path / "run")
     if where == "s3":
         root, options = request.getfixturevalue("s3_root")
-    tier = FastTier(str(tmp_path / "fast"), replicas=1) if where == "tiered" else None  # s1 drains to path
+    tier = FastTier(str(tmp_path / "fast"), replicas=1) if where in ("tiered", "shared") else None  # s1 drains
     m, o = model()
     keep = Retention(num_kept_partial_checkpoints=1)
     with Checkpointer(Location(root, storage_options=options), fast_tier=tier, retention=keep) as a:
         a.save("s1", m, o)
         a.wait()
-        said = other_job(root, "t1", options=options)
+        said = other_job(root, "t1", options=options, fast=str(tmp_path / "fast") if where == "shared" else None)
         assert _committed(root, options) == ["s1", "t1"]  # before: ["t1"], B's retention removed A's s1
         assert "'s1'" in said and "kept as abandoned" in said, said
         _refused_naming_the_other(a, m, o, root, "t1", "s1")

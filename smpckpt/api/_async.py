@@ -66,8 +66,9 @@ class SeenFuture(concurrent.futures.Future[None]):
     def result(self, timeout: float | None = None) -> None:
         try:
             return super().result(timeout)
-        except BaseException:
-            self.seen = self.seen or (self.done() and not self.cancelled())
+        except BaseException as exc:
+            # the failure itself, not a TimeoutError the lane's failure landed just after (rev70d L1)
+            self.seen = self.seen or (self.done() and not self.cancelled() and exc is failure_of(self))
             raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:

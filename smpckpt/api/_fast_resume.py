@@ -312,10 +312,12 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
                     # the job goes on from this save (its next save's lineage, and a new segment of its runs)
                     part.state.continues, part.state.runs, part.state.passed = cand.digest, cand.runs, cand.passed
                     part.state.fresh, part.state.back_to = True, (cand.tag, target.order[0])
-                    # and knows what its job knew in path, and the copy itself if due there (as that job did): a
-                    # resume that did not see path (down, or tag= of a copy path lacks) knew 0, and its saves'
-                    # path_seen 0 later refused them as "diverged" from the job's own drained save (fix70d 3)
-                    part.state.saw_path(max(cand.path_seen or 0, cand.order[0] if cand.durable else 0))
+                    # and knows what its job knew in path, and the copy itself once drained there: a resume that
+                    # did not see path (down, or tag= of a copy path lacks) knew 0, and its saves' path_seen 0
+                    # later refused them as "diverged" from the job's own drained save (fix70d 3). A copy only due
+                    # is not known in path: another job's save at its number there is a diverged history (rev70d)
+                    drained = cand.durable and is_drained(read_drained(choice.job), cand.tag, cand.order[2])
+                    part.state.saw_path(max(cand.path_seen or 0, cand.order[0] if drained else 0))
                 except BaseException as exc:  # every rank: a warning made an error (or a Ctrl-C) is one rank's, a
                     # CheckpointError naming it elsewhere: that rank must still reach the agreement (rev62b F1)
                     first = exc

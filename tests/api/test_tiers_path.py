@@ -411,3 +411,35 @@ def test_a_restart_resuming_by_tag_while_path_is_down_knows_what_its_copy_knew_i
     resume_from_checkpoint(Location(root, storage_options=options), model=got, options=FastTier(local_path=fast))
     info = last_resume_info()
     assert info is not None and (info.tag, info.tier) == ("s2", "fast") and _same(got, model)
+
+
+def test_a_copy_only_due_in_path_is_not_known_there_after_a_resume_by_tag(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """rev70d: job J saved s1 (drained) and s2 (due, never drained: path down) and died; job X resumed s1 from
+    path and saved x2, at s2's number. J restarted, resumed s2 by tag from the fast tier and saved s3 through
+    another outage: the resume took s2's number as known in path, so s3 recorded path_seen 2 and the next
+    tag-less restart loaded s3 over x2 silently. A copy only due is not known there: the histories are refused."""
+    root, options = s3_root
+    up, down = Location(root, storage_options=options), Location(root, storage_options=_down(options))
+    fast = str(tmp_path / "fast")
+    tier = FastTier(local_path=fast, replicas=1, num_kept_local=1)
+    save_checkpoint(up, "s1", model=_linear(1), options=tier)
+    wait_for_saves()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # path unreachable: said, tested above
+        save_checkpoint(down, "s2", model=_linear(2), options=tier)
+    wait_for_saves()
+    other = _linear(0)  # job X, without the fast tier
+    resume_from_checkpoint(up, model=other)
+    assert last_resume_info().tag == "s1"  # type: ignore[union-attr]
+    save_checkpoint(up, "x2", model=other)
+    model = _linear(9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resume_from_checkpoint(down, "s2", model=model, options=FastTier(local_path=fast))
+        save_checkpoint(down, "s3", model=model, options=tier)
+    wait_for_saves()
+    assert _tier_record(_job(Path(fast), root) / "s3_partial")["path_seen"] < 2  # s2 was never in path
+    with pytest.raises(CheckpointError, match="diverged"):
+        resume_from_checkpoint(up, model=_linear(7), options=FastTier(local_path=fast))

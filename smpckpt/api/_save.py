@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from smpckpt._version import VERSION
+from smpckpt.api._async import commit_point
 from smpckpt.api._dist import (
     OPTIONS,
     PICKLED_KEY,
@@ -155,9 +156,18 @@ def job_token() -> str:
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).hexdigest()
 
 
+class _GatedWriter(FsspecStorageWriter):
+    """The partial checkpoint's writer; on a lane's thread its commit first asks :func:`commit_point`: a
+    background save given up on while a peer was silent commits nothing if that peer comes back."""
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        commit_point()
+        super().finish(metadata, results)
+
+
 def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str, Any]) -> None:
     """(all ranks) ``dcp.save``; returns only after rank 0 committed the manifest."""
-    writer = FsspecStorageWriter(
+    writer = _GatedWriter(
         req.url,
         storage_options=req.storage_options,
         overwrite=req.opts.overwrite,
@@ -226,6 +236,7 @@ def publish_newest(req: SaveRequest, ctx: DistContext, extra: Mapping[str, Any] 
     that rolled back (``extra``, rank 0's) first leaves the root's copy of what it abandoned (catalog.root)."""
 
     def point() -> None:
+        commit_point()  # a background save given up on (a silent peer) leaves newest as it was
         if extra and extra.get(ABANDONED_KEY):
             try:
                 write_abandoned(req.root, req.storage_options, req.tag, extra)

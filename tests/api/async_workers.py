@@ -216,6 +216,70 @@ def fails_while_saving(root: str, status: str, exit_code: str = "") -> None:
         sys.exit(int(exit_code))
 
 
+def a_peer_stops_or_is_slow(rank: int, world: int, root: str, mode: str, bound: float) -> dict[str, Any]:
+    """fix70c: at the start of its background write of ``b`` one rank stops itself (``stop0``/``stop1``:
+    SIGSTOP, a vanished node keeping its connections) or rank 1 sleeps 3x ``bound``, the job's timeout
+    (``slow``: healthy slow I/O). Each rank says what its future did, how long it took and ``newest``; the
+    other rank then lets the stopped one go, waits for its own thread left behind, and says what is
+    committed and what its next save said."""
+    import smpckpt.api.checkpointer as ck
+    from smpckpt.storage.format.manifest import MANIFEST_NAME
+
+    m = model(0)
+    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    ckpt.save("a", m).result()  # type: ignore[union-attr]
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    real, stopped = ck.write_checkpoint, int(mode[-1]) if mode.startswith("stop") else None
+
+    def held(*args: Any) -> None:
+        if rank == stopped:
+            os.kill(os.getpid(), signal.SIGSTOP)  # until the other rank sends SIGCONT
+        elif rank == 1 and mode == "slow":
+            time.sleep(3 * bound)
+        real(*args)
+
+    ck.write_checkpoint = held  # type: ignore[assignment]
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    started = time.monotonic()
+    fut = ckpt.save("b", m)
+    try:
+        fut.result(timeout=30)  # type: ignore[union-attr]
+        said = "no error"
+    except BaseException as exc:  # noqa: BLE001 - reported
+        said = f"{type(exc).__name__}: {exc}"
+    out: dict[str, Any] = {"said": said, "took": time.monotonic() - started}
+    out["newest"] = open(os.path.join(root, "newest")).read().strip()
+    if stopped is None:
+        ckpt.close()
+        fresh = model(9)
+        smpckpt.Checkpointer(root).resume("b", fresh)
+        out["equal"] = all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
+        return out
+    if rank != stopped:
+        os.kill(pids[stopped], signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while getattr(ckpt._save_lane, "_current", None) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the thread left behind ends now
+        try:
+            ckpt.save("c", m)
+            out["next"] = "no error"
+        except BaseException as exc:  # noqa: BLE001 - reported
+            out["next"] = f"{type(exc).__name__}: {exc}"
+        try:
+            ckpt.close()  # raises the kept failure once; tears down no groups (out of step)
+            out["closed"] = "no error"
+        except BaseException as exc:  # noqa: BLE001 - reported
+            out["closed"] = f"{type(exc).__name__}: {exc}"
+    # each saw its own b end, after rank 0 decided on the commit: what is committed is settled
+    out["newest_after"] = open(os.path.join(root, "newest")).read().strip()
+    out["tags"] = sorted(t for t in "abc" if os.path.exists(os.path.join(root, f"{t}_partial", MANIFEST_NAME)))
+    return out
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "returns-while-saving":
         returns_while_saving(sys.argv[2])

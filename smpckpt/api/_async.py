@@ -76,9 +76,9 @@ class Lane:
         self.tag = ""  #: its tag
         self.submitted = 0.0  #: when (``time.monotonic``): the newest drain of the process is the last one
         self.failed: tuple[str, BaseException] | None = None
-        #: work given up on while a peer was silent (:meth:`abandon`): its thread may stay stuck in a collective
+        #: work given up on while a peer was silent (``_liveness.abandon``): its thread may stay stuck in a collective
         self.abandoned: concurrent.futures.Future[None] | None = None
-        self._number = 0  #: the work running's number (:meth:`veto_key`)
+        self._number = 0  #: the work running's number (``_liveness.veto_key``)
         self._current: concurrent.futures.Future[None] | None = None  #: the work running, and if it passed
         self._committed: concurrent.futures.Future[None] | None = None  # its commit point (:func:`commit_point`)
         if hasattr(os, "register_at_fork"):
@@ -147,6 +147,8 @@ class Lane:
                 given_up = fut is self.abandoned
                 if error is not None and not given_up:
                     self.failed = (tag, error)
+            if error is not None and not given_up and _multi_rank():
+                _liveness.refuse_broken_group(self, tag, error)
             if given_up:  # its failure was raised already (a peer fell silent); what the thread did since is moot
                 log.warning("%s of checkpoint %r, given up on, ended: %s", self.what, tag, error or "done")
             elif error is not None:
@@ -160,56 +162,6 @@ class Lane:
     def busy() -> bool:
         """Whether a lane's work runs in this process (its heartbeat beats then: :mod:`._liveness`)."""
         return any(lane._current is not None for lane in live_lanes())
-
-    def abandon(self, fut: concurrent.futures.Future[None], tag: str, why: str) -> bool:
-        """(the liveness watch) Fail ``fut``'s work now, its peer silent (``why``), unless it is done or past its
-        commit point; its thread may stay stuck in a collective (gloo's cannot be interrupted), so the
-        Checkpointer refuses later saves. True: given up."""
-        owner = self.owner()
-        with self._cond:
-            if fut.done() or fut is not self._current:
-                return False
-            if fut is self._committed:  # this rank committed it (rank 0), a peer fell silent after
-                newest = " after this rank committed it (a restart may resume it; `smpckpt ls` shows it)"
-            elif self.kind == "save":
-                newest = ": it commits nothing from now on"
-            else:
-                newest = "; it is still in the fast tier"
-            exc = CheckpointError(
-                f"{why}. {self.what.capitalize()} of checkpoint {tag!r} was given up{newest}; what was committed before is "
-                "intact. Restart the job (its ranks are out of step: this Checkpointer refuses further saves, and "
-                "its thread waiting on that rank is left behind)"
-            )
-            self.abandoned, self.failed = fut, (tag, exc)
-            key = self.veto_key()
-        _liveness.veto(key)  # the ranks that commit (rank 0, node leaders) refuse it too if its silent rank comes back
-        if owner is not None:
-            owner._groups.out_of_step = f"an earlier background save or drain was given up ({why}): end the job"
-        log.error("%s of checkpoint %r failed: %s", self.what, tag, exc)
-        with contextlib.suppress(concurrent.futures.InvalidStateError):  # finished meanwhile: its outcome stands
-            fut.set_exception(exc)
-        return True
-
-    def veto_key(self) -> str:
-        """The store key a rank giving up the work running sets: the same on every rank (the Checkpointer's
-        background group's name, the lane, the work's number)."""
-        owner = self.owner()
-        group = owner._groups.named("save") if owner is not None else None
-        return f"smpckpt/given-up/{getattr(group, 'group_name', '')}/{self.kind}/{self._number}"
-
-    def claim_commit(self) -> None:
-        """(the lane's thread, before its work commits a checkpoint or moves ``newest``) Refuse work given up
-        on, by this rank or any other (its future failed already); else no watch gives it up from now on."""
-        with self._cond:
-            given_up = self._current is not None and self._current is self.abandoned
-            key = self.veto_key() if self._current is not None and _multi_rank() else ""
-        if given_up or (key and _liveness.vetoed(key)):
-            raise CheckpointError(
-                "this work was given up while a peer was silent (its future failed then, on the rank that gave "
-                "it up): nothing more is committed for it"
-            )
-        with self._cond:
-            self._committed = self._current
 
     def wait(self) -> None:
         """Wait for the work in flight (no error raised here)."""
@@ -249,10 +201,11 @@ def _multi_rank() -> bool:
 
 
 def commit_point() -> None:
-    """(before ``newest`` is moved) On a lane's thread: :meth:`Lane.claim_commit`; elsewhere nothing."""
+    """(before a commit, or ``newest`` is moved) On a lane's thread: :func:`._liveness.claim_commit`; elsewhere
+    nothing (a synchronous save)."""
     thread = threading.current_thread()
     if isinstance(thread, LaneThread):
-        thread.lane.claim_commit()
+        _liveness.claim_commit(thread.lane)
 
 
 def wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:

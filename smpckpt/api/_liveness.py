@@ -8,7 +8,7 @@ own timeout failed healthy slow saves: rev69g). Nor can the wait be cut: in torc
 (fix70c). So liveness is watched, not duration: every process running background work beats a heartbeat
 into the job's c10d store (:class:`Heartbeat`, a thread of its own, beating while its rank does I/O too);
 while a lane's work runs, a :class:`Watch` reads its peers' beats, and a peer silent for longer than the
-job's own process-group timeout fails that work at once, naming the rank (:meth:`Lane.abandon`); the
+job's own process-group timeout fails that work at once, naming the rank (:func:`abandon`); the
 thread stuck in the collective is left behind (a daemon) and the Checkpointer refuses later saves.
 
 Only multi-rank background work starts these threads: a one-process save never calls into this module.
@@ -16,6 +16,8 @@ Only multi-rank background work starts these threads: a one-process save never c
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import datetime
 import logging
 import os
@@ -26,12 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    import concurrent.futures
+from smpckpt.errors import CheckpointError
 
+if TYPE_CHECKING:
     from smpckpt.api._async import Lane
 
 __all__ = ["job_timeout", "Heartbeat", "Watch", "watch", "beat", "busy_now", "veto", "vetoed"]
+__all__ += ["abandon", "veto_key", "claim_commit", "refuse_broken_group"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -202,7 +205,7 @@ def watch(lane: Lane, fut: concurrent.futures.Future[None], tag: str) -> Watch |
         return None
     Heartbeat.ensure(store, me, _period(bound), lane.busy)
     peers = [r for r in ranks if r != me]
-    found = Watch(store, peers, bound, lambda why: lane.abandon(fut, tag, f"rank {me}: {why}"))
+    found = Watch(store, peers, bound, lambda why: abandon(lane, fut, tag, f"rank {me}: {why}"))
     found.start()
     return found
 
@@ -230,3 +233,78 @@ def vetoed(key: str) -> bool:
     """(a committing rank) Whether a rank gave this work up (:func:`veto`); a store that does not answer (its
     own timeout) fails the commit."""
     return bool(dist.is_available() and dist.is_initialized() and _store().check([key]))
+
+
+def abandon(lane: Lane, fut: concurrent.futures.Future[None], tag: str, why: str) -> bool:
+    """(the watch) Fail ``fut``'s work on ``lane`` now, a peer silent (``why``), unless it is done; its thread
+    may stay stuck in a collective (gloo's cannot be interrupted), so the Checkpointer refuses later saves,
+    and the ranks that commit refuse it (:func:`veto`). True: given up."""
+    owner = lane.owner()
+    with lane._cond:
+        if fut.done() or fut is not lane._current:
+            return False
+        if fut is lane._committed:  # this rank committed it (rank 0), a peer fell silent after
+            outcome = " after this rank committed it (a restart may resume it; `smpckpt ls` shows it)"
+        elif lane.kind == "save":
+            outcome = ": it commits nothing from now on"
+        else:
+            outcome = "; it is still in the fast tier"
+        exc = CheckpointError(
+            f"{why}. {lane.what.capitalize()} of checkpoint {tag!r} was given up{outcome}; what was committed "
+            "before is intact. Restart the job (its ranks are out of step: this Checkpointer refuses further "
+            "saves, and its thread waiting on that rank is left behind)"
+        )
+        lane.abandoned, lane.failed = fut, (tag, exc)
+        key = veto_key(lane)
+    veto(key)  # the ranks that commit (rank 0, node leaders) refuse it too if its silent rank comes back
+    if owner is not None:
+        owner._groups.out_of_step = f"an earlier background save or drain was given up ({why}): end the job"
+    log.error("%s of checkpoint %r failed: %s", lane.what, tag, exc)
+    with contextlib.suppress(concurrent.futures.InvalidStateError):  # finished meanwhile: its outcome stands
+        fut.set_exception(exc)
+    return True
+
+
+def veto_key(lane: Lane) -> str:
+    """The store key a rank giving up ``lane``'s work running sets: the same on every rank (the Checkpointer's
+    background group's name, the lane, the work's number)."""
+    owner = lane.owner()
+    group = owner._groups.named("save") if owner is not None else None
+    return f"smpckpt/given-up/{getattr(group, 'group_name', '')}/{lane.kind}/{lane._number}"
+
+
+def claim_commit(lane: Lane) -> None:
+    """(``lane``'s thread, before its work commits a checkpoint or moves ``newest``) Refuse work given up on,
+    by this rank or any other (its future failed already); else no watch here gives it up as uncommitted."""
+    with lane._cond:
+        given_up = lane._current is not None and lane._current is lane.abandoned
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        key = veto_key(lane) if lane._current is not None and multi else ""
+    if given_up or (key and vetoed(key)):
+        raise CheckpointError(
+            "this work was given up while a peer was silent (its future failed then, on the rank that gave it "
+            "up): nothing more is committed for it"
+        )
+    with lane._cond:
+        lane._committed = lane._current
+
+
+def refuse_broken_group(lane: Lane, tag: str, error: BaseException) -> None:
+    """(``lane``'s work failed with ``error``) A gloo transport failure (a timeout, a peer gone) leaves the group
+    unusable: every later save failed with "Application timeout caused pair closure", naming no rank. Later
+    saves are refused by name instead."""
+    owner, found = lane.owner(), ""
+    seen: BaseException | None = error
+    for _ in range(8):  # the raw gloo error is the deepest of the chain
+        if seen is None:
+            break
+        text = str(seen)
+        if "gloo/transport" in text or "pair closure" in text:
+            found = text[max(text.find("gloo/transport"), 0) :].split("]", 1)[-1].strip()
+            found = found.splitlines()[0].split(". ")[0][:200]
+        seen = seen.__cause__ or seen.__context__
+    if found and owner is not None:
+        owner._groups.out_of_step = (
+            f"{lane.what} of {tag!r} failed in a collective of this Checkpointer's gloo group ({found}), which "
+            "leaves that group broken: end the job"
+        )

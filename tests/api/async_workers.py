@@ -280,6 +280,45 @@ def a_peer_stops_or_is_slow(rank: int, world: int, root: str, mode: str, bound: 
     return out
 
 
+def a_background_collective_times_out(rank: int, world: int, root: str) -> dict[str, Any]:
+    """fix70c: the background groups made with a 2 s timeout (torch's 30 minutes, shortened), rank 1 writes
+    6 s late (alive: its heartbeat beats, no liveness give-up): rank 0's collective times out and the save
+    fails; what each rank's next save says (the group is broken: gloo's "pair closure", naming no rank)."""
+    import datetime
+
+    import smpckpt.api.checkpointer as ck
+
+    real_new_group = dist.new_group
+
+    def short(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("backend") == "gloo":
+            kwargs["timeout"] = datetime.timedelta(seconds=2)
+        return real_new_group(*args, **kwargs)
+
+    dist.new_group = short  # type: ignore[assignment]
+    m = model(0)
+    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    ckpt.save("a", m).result()  # type: ignore[union-attr]
+    real = ck.write_checkpoint
+
+    def late(*args: Any) -> None:
+        if rank == 1:
+            time.sleep(6)
+        real(*args)
+
+    ck.write_checkpoint = late  # type: ignore[assignment]
+    out: dict[str, Any] = {}
+    for tag in ("b", "c", "d"):
+        try:
+            ckpt.save(tag, m).result(timeout=60)  # type: ignore[union-attr]
+            out[tag] = "no error"
+        except BaseException as exc:  # noqa: BLE001 - reported
+            out[tag] = f"{type(exc).__name__}: {exc}"
+        ck.write_checkpoint = real  # type: ignore[assignment]
+    out["newest"] = open(os.path.join(root, "newest")).read().strip()
+    return out
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "returns-while-saving":
         returns_while_saving(sys.argv[2])

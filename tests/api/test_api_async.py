@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from async_workers import (
+    a_background_collective_times_out,
     a_peer_stops_or_is_slow,
     destroyed_under_a_background_save,
     model,
@@ -483,3 +484,17 @@ def test_an_async_save_whose_peer_writes_far_longer_than_the_jobs_timeout_succee
     for got in run_world(a_peer_stops_or_is_slow, 2, root, "slow", _BOUND, timeout=120, pg_timeout=_BOUND):
         assert got["said"] == "no error" and got["newest"] == "b" and got["equal"] is True, got
         assert got["took"] >= 3 * _BOUND, got
+
+
+def test_a_save_after_a_background_collective_timed_out_is_refused_by_name(tmp_path: Any) -> None:
+    """fix70c: a background collective that timed out (groups made with 2 s here, torch's 30 minutes in a job)
+    leaves its gloo group broken: every later save of that Checkpointer failed with gloo's bare "Application
+    timeout caused pair closure" (a RuntimeError naming no rank). Now refused by name, on every rank."""
+    root = str(tmp_path / "ckpt")
+    for rank, got in enumerate(run_world(a_background_collective_times_out, 2, root, timeout=120, pg_timeout=30)):
+        assert got["b"].startswith(f"CheckpointError: rank {rank} of 2: saving checkpoint 'b'"), got
+        assert got["d"].startswith(f"CheckpointError: rank {rank} of 2: saving checkpoint 'd'"), got
+        assert (
+            "refused: the background save of 'b' failed in a collective of this Checkpointer's gloo group" in got["d"]
+        )
+        assert "which leaves that group broken: end the job" in got["d"] and got["newest"] == "a", got

@@ -248,7 +248,7 @@ def abandon(lane: Lane, fut: concurrent.futures.Future[None], tag: str, why: str
         elif lane.kind == "save":
             outcome = ": it commits nothing from now on"
         else:
-            outcome = "; it is still in the fast tier"
+            outcome = ": it commits nothing to `path` from now on"
         exc = CheckpointError(
             f"{why}. {lane.what.capitalize()} of checkpoint {tag!r} was given up{outcome}; what was committed "
             "before is intact. Restart the job (its ranks are out of step: this Checkpointer refuses further "

@@ -319,6 +319,47 @@ def a_background_collective_times_out(rank: int, world: int, root: str) -> dict[
     return out
 
 
+def a_peer_stops_in_a_drain(rank: int, world: int, root: str) -> dict[str, Any]:
+    """fix70c: a fast tier per rank draining every save; in the drain of ``b`` rank 1 stops itself (SIGSTOP)
+    before copying. Rank 0 says what its wait said and how long it took, and, once rank 1 is let go and
+    its drain thread ended, ``path``'s ``newest`` and what is committed there."""
+    import smpckpt.api._drain as drain_module
+    from smpckpt.storage.format.manifest import MANIFEST_NAME
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    m = model(0)
+    tier = smpckpt.FastTier(f"{root}-fast/node{rank}", durable_every=1, num_kept_local=None)
+    ckpt = smpckpt.Checkpointer(root, fast_tier=tier)
+    ckpt.save("a", m)
+    ckpt.wait()
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    real = drain_module._Copies.copy_all
+
+    def held(self: Any, dctx: Any, tag: str, files: Any) -> Any:
+        if rank == 1 and tag == "b":
+            os.kill(os.getpid(), signal.SIGSTOP)  # until rank 0 sends SIGCONT
+        return real(self, dctx, tag, files)
+
+    drain_module._Copies.copy_all = held  # type: ignore[method-assign]
+    started = time.monotonic()
+    ckpt.save("b", m)
+    try:
+        ckpt.wait()
+        said = "no error"
+    except BaseException as exc:  # noqa: BLE001 - reported
+        said = f"{type(exc).__name__}: {exc}"
+    out: dict[str, Any] = {"said": said, "took": time.monotonic() - started}
+    if rank == 0:
+        os.kill(pids[1], signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while getattr(ckpt._drain_lane, "_current", None) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the thread left behind ends now
+        out["newest"] = open(os.path.join(root, "newest")).read().strip()
+        out["tags"] = sorted(t for t in "ab" if os.path.exists(os.path.join(root, f"{t}_partial", MANIFEST_NAME)))
+    return out
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "returns-while-saving":
         returns_while_saving(sys.argv[2])

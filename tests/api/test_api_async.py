@@ -14,6 +14,7 @@ import pytest
 import torch
 from async_workers import (
     a_background_collective_times_out,
+    a_peer_stops_in_a_drain,
     a_peer_stops_or_is_slow,
     destroyed_under_a_background_save,
     model,
@@ -498,3 +499,16 @@ def test_a_save_after_a_background_collective_timed_out_is_refused_by_name(tmp_p
             "refused: the background save of 'b' failed in a collective of this Checkpointer's gloo group" in got["d"]
         )
         assert "which leaves that group broken: end the job" in got["d"] and got["newest"] == "a", got
+
+
+def test_a_drain_whose_peer_stopped_fails_within_the_jobs_timeout_and_commits_nothing(tmp_path: Any) -> None:
+    """fix70c: rank 1 SIGSTOPped in the drain of ``b`` to ``path``: rank 0's wait() waited for the drain group's
+    30 minutes. Now it fails within about the job's 3 s timeout naming rank 1; let go, rank 1's drain reaches
+    rank 0's commit, which refuses it: ``path`` keeps ``a`` as newest and holds no ``b``."""
+    root = str(tmp_path / "ckpt")
+    first, second = run_world(a_peer_stops_in_a_drain, 2, root, timeout=120, pg_timeout=_BOUND)
+    assert first["said"].startswith("CheckpointError: the drain of checkpoint 'b' to the durable tier failed"), first
+    assert "rank 0: rank 1 gave no sign of life for 3s" in first["said"], first
+    assert "it commits nothing to `path` from now on" in first["said"], first
+    assert first["took"] < _BOUND + 10 and first["newest"] == "a" and first["tags"] == ["a"], first
+    assert "given up while a peer was silent" in second["said"], second

@@ -156,18 +156,9 @@ def job_token() -> str:
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).hexdigest()
 
 
-class _GatedWriter(FsspecStorageWriter):
-    """The partial checkpoint's writer; on a lane's thread its commit first asks :func:`commit_point`: a
-    background save given up on while a peer was silent commits nothing if that peer comes back."""
-
-    def finish(self, metadata: Any, results: Any) -> None:
-        commit_point()
-        super().finish(metadata, results)
-
-
 def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str, Any]) -> None:
     """(all ranks) ``dcp.save``; returns only after rank 0 committed the manifest."""
-    writer = _GatedWriter(
+    writer = FsspecStorageWriter(
         req.url,
         storage_options=req.storage_options,
         overwrite=req.opts.overwrite,
@@ -175,6 +166,8 @@ def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str
         format=req.opts.format,
         sync_files=req.opts.sync_files,
     )
+    # a background save given up on while a peer was silent commits nothing if that peer comes back
+    writer.before_commit = commit_point
     run_save("partial", req, writer, state, f"saving checkpoint {req.url}", req.planners, req.opts.verify_replicas)
 
 

@@ -34,12 +34,13 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
+from smpckpt.api import _liveness
 from smpckpt.api._dist import DistContext
 from smpckpt.api._staging import forget_in_child
 from smpckpt.errors import CheckpointError
 
 __all__ = ["Lane", "LaneThread", "GlooGroups", "DrainStatus", "check_previous", "raise_failed", "wait_lanes"]
-__all__ += ["wait_logged"]
+__all__ += ["wait_logged", "commit_point"]
 __all__ += ["register_exit_wait", "live_lanes", "wait_for_saves", "drain_status", "free_staging_buffers"]
 
 log = logging.getLogger("smpckpt.api")
@@ -90,7 +91,8 @@ class Lane:
         self.kind, self.what, self.name = kind, what, f"smpckpt-{'async-save' if kind == 'save' else 'drain'}"
         self.owner = weakref.ref(owner)  #: the Checkpointer (module functions reach it through the thread)
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[str, Callable[[], None], SeenFuture]] = collections.deque()
+        self._queue: collections.deque[tuple[str, Callable[[], None], SeenFuture, int]] = collections.deque()
+        self._submitted = 0  #: works submitted: the same count on every rank (their saves and drains are agreed)
         self._thread: LaneThread | None = None  #: the thread running the lane's work, while it runs
         self.used = False  #: work was ever submitted (then every save checks on this lane first)
         self._stopping = False
@@ -99,6 +101,11 @@ class Lane:
         self.submitted = 0.0  #: when (``time.monotonic``): the newest drain of the process is the last one
         self.failed: tuple[str, BaseException] | None = None
         self.failed_fut: SeenFuture | None = None  #: the future of ``failed``'s work (did the program see it?)
+        #: work given up on while a peer was silent (``_liveness.abandon``): its thread may stay stuck in a collective
+        self.abandoned: concurrent.futures.Future[None] | None = None
+        self._number = 0  #: the work running's number (``_liveness.veto_key``)
+        self._current: concurrent.futures.Future[None] | None = None  #: the work running, and if it passed
+        self._committed: concurrent.futures.Future[None] | None = None  # its commit point (:func:`commit_point`)
         if hasattr(os, "register_at_fork"):
             ref = weakref.ref(self)
             os.register_at_fork(after_in_child=lambda: forget_in_child(ref))
@@ -113,7 +120,8 @@ class Lane:
         with self._cond:
             self.start()
             self.used = True
-            self._queue.append((tag, work, fut))
+            self._submitted += 1
+            self._queue.append((tag, work, fut, self._submitted))
             self.fut, self.tag, self.submitted = fut, tag, time.monotonic()
             self._cond.notify()
         return fut
@@ -123,6 +131,8 @@ class Lane:
         rank whose thread cannot start fails every rank's save, not only its own while the others' writes
         wait for it in their collectives."""
         with self._cond:
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                _liveness.beat(self.busy)  # every rank beats before any peer's background work may wait on it
             if self._thread is None or not self._thread.is_alive():
                 self._stopping = False
                 thread = LaneThread(self)
@@ -141,18 +151,42 @@ class Lane:
                     if self._thread is threading.current_thread():
                         self._thread = None
                     return
-                tag, work, fut = self._queue.popleft()
+                tag, work, fut, number = self._queue.popleft()
             if not fut.set_running_or_notify_cancel():
                 continue
+            self._current, self._number = fut, number
+            watch = None
+            if self.owner() is not None and _multi_rank():
+                _liveness.busy_now()
+                watch = _liveness.watch(self, fut, tag)
+            error: BaseException | None = None
             try:
                 work()
             except BaseException as exc:  # noqa: BLE001 - kept for the next call, raised by the future
-                self.failed, self.failed_fut = (tag, exc), fut
-                log.error("%s of checkpoint %r failed: %s", self.what, tag, exc)
-                fut.set_exception(exc)
+                error = exc
+            finally:
+                if watch is not None:
+                    watch.done.set()
+            with self._cond:  # settled under the lock: abandon() may be failing it from the watch right now
+                self._current = None
+                given_up = fut is self.abandoned
+                if error is not None and not given_up:
+                    self.failed, self.failed_fut = (tag, error), fut
+            if error is not None and not given_up and _multi_rank():
+                _liveness.refuse_broken_group(self, tag, error)
+            if given_up:  # its failure was raised already (a peer fell silent); what the thread did since is moot
+                log.warning("%s of checkpoint %r, given up on, ended: %s", self.what, tag, error or "done")
+            elif error is not None:
+                log.error("%s of checkpoint %r failed: %s", self.what, tag, error)
+                fut.set_exception(error)
             else:
                 fut.set_result(None)
-            del work  # it holds the staged state and the Checkpointer: nothing of it is kept while idle
+            del work, error  # they hold the staged state and the Checkpointer: nothing of it is kept while idle
+
+    @staticmethod
+    def busy() -> bool:
+        """Whether a lane's work runs in this process (its heartbeat beats then: :mod:`._liveness`)."""
+        return any(lane._current is not None for lane in live_lanes())
 
     def wait(self) -> None:
         """Wait for the work in flight (no error raised here)."""
@@ -175,7 +209,8 @@ class Lane:
             self._cond.notify()
             thread = self._thread
         if join and thread is not None and thread is not threading.current_thread() and self.failed is None:
-            thread.join()
+            if self.abandoned is None:  # a thread given up on may be stuck in a collective for its 30 minutes
+                thread.join()
 
     def _forget(self) -> None:
         """(a forked child) The parent's work is not this process's: no thread here will ever finish its
@@ -183,6 +218,19 @@ class Lane:
         self._cond = threading.Condition()  # the parent's may have been held by a thread that is gone
         self._queue.clear()
         self._thread, self.fut, self.failed, self.failed_fut, self.used = None, None, None, None, False
+        self.abandoned = self._current = self._committed = None
+
+
+def _multi_rank() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def commit_point() -> None:
+    """(before a commit, or ``newest`` is moved) On a lane's thread: :func:`._liveness.claim_commit`; elsewhere
+    nothing (a synchronous save)."""
+    thread = threading.current_thread()
+    if isinstance(thread, LaneThread):
+        _liveness.claim_commit(thread.lane)
 
 
 def wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:
@@ -362,6 +410,10 @@ class GlooGroups:
         return group
 
     kept = staticmethod(group_kept)
+
+    def named(self, purpose: str) -> Any:
+        """The group made for ``purpose``, if it was (``None``: not yet)."""
+        return self._groups.get(purpose)
 
     def stale(self) -> bool:
         """Whether its groups died with a process group destroyed since (``destroy_process_group()``)."""

@@ -26,6 +26,7 @@ from collections.abc import Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from smpckpt.api._async import commit_point
 from smpckpt.api._dist import DistContext
 from smpckpt.api._save import SaveRequest, publish_newest, retain
 from smpckpt.api._tiers import Nodes
@@ -323,6 +324,7 @@ def drain(
     )
 
     def commit() -> None:
+        commit_point()  # a drain given up on while a peer was silent commits nothing if that peer comes back
         _refuse_committed(fs, path, req.url, req.tag)
         with Folder(fs, path) as folder:
             prepared.commit(folder, req.url, sync=copies.sync)

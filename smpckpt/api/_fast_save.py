@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from smpckpt.api._async import GlooGroups, Lane, wait_logged
+from smpckpt.api._async import GlooGroups, Lane, commit_point, wait_logged
 from smpckpt.api._dist import DistContext, peer_failures
 from smpckpt.api._drain import drain, is_drained, note_drained, path_down, read_drained
 from smpckpt.api._fast_resume import Loaded, choose_tier, lineage_for, load_tiered, runs_for
@@ -470,6 +470,7 @@ def _commit_nodes(
     said = ("", False)
     if tier.nodes.is_leader:
         try:
+            commit_point()  # a save given up on while a peer was silent commits no node's copy if it comes back
             commit_node_copy(tier.folder, prepared, expected, sync=sync)
         except Exception as exc:  # noqa: BLE001 - agreed below, every node's failure named
             node = tier.nodes.node_of(tier.nodes.rank)

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from smpckpt._version import VERSION
+from smpckpt.api._async import commit_point
 from smpckpt.api._dist import (
     OPTIONS,
     PICKLED_KEY,
@@ -165,6 +166,8 @@ def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str
         format=req.opts.format,
         sync_files=req.opts.sync_files,
     )
+    # a background save given up on while a peer was silent commits nothing if that peer comes back
+    writer.before_commit = commit_point
     run_save("partial", req, writer, state, f"saving checkpoint {req.url}", req.planners, req.opts.verify_replicas)
 
 
@@ -226,6 +229,7 @@ def publish_newest(req: SaveRequest, ctx: DistContext, extra: Mapping[str, Any] 
     that rolled back (``extra``, rank 0's) first leaves the root's copy of what it abandoned (catalog.root)."""
 
     def point() -> None:
+        commit_point()  # a background save given up on (a silent peer) leaves newest as it was
         if extra and extra.get(ABANDONED_KEY):
             try:
                 write_abandoned(req.root, req.storage_options, req.tag, extra)

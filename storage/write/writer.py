@@ -181,6 +181,8 @@ class FsspecStorageWriter(FsspecWriterBase):
         #: a pool of at least n threads its owner keeps for every save (a Checkpointer's ``Workers.pool``:
         #: threads new at each save left glibc's arenas holding their freed buffers); ``None``: this write's own
         self.pool_of: Callable[[int], concurrent.futures.ThreadPoolExecutor] | None = None
+        #: (coordinator) called before the commit; raising refuses it (the API's background saves given up on)
+        self.before_commit: Callable[[], None] | None = None
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
@@ -222,6 +224,8 @@ class FsspecStorageWriter(FsspecWriterBase):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator) The metadata, the commit, the stock copy and the old generation's removal."""
+        if self.before_commit is not None:
+            self.before_commit()
         save_id, files = self._committed_files(metadata, results)
         files = sorted(files, key=lambda f: (f.rank, f.name))
         try:

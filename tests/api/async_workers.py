@@ -263,6 +263,150 @@ def exit_wait_rank(rank: int, root: str, init: str, fail: str) -> None:
     print("main returned", flush=True)
 
 
+def a_peer_stops_or_is_slow(rank: int, world: int, root: str, mode: str, bound: float) -> dict[str, Any]:
+    """fix70c: at the start of its background write of ``b`` one rank stops itself (``stop0``/``stop1``:
+    SIGSTOP, a vanished node keeping its connections) or rank 1 sleeps 3x ``bound``, the job's timeout
+    (``slow``: healthy slow I/O). Each rank says what its future did, how long it took and ``newest``; the
+    other rank then lets the stopped one go, waits for its own thread left behind, and says what is
+    committed and what its next save said."""
+    import smpckpt.api.checkpointer as ck
+    from smpckpt.storage.format.manifest import MANIFEST_NAME
+
+    m = model(0)
+    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    ckpt.save("a", m).result()  # type: ignore[union-attr]
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    real, stopped = ck.write_checkpoint, int(mode[-1]) if mode.startswith("stop") else None
+
+    def held(*args: Any) -> None:
+        if rank == stopped:
+            os.kill(os.getpid(), signal.SIGSTOP)  # until the other rank sends SIGCONT
+        elif rank == 1 and mode == "slow":
+            time.sleep(3 * bound)
+        real(*args)
+
+    ck.write_checkpoint = held  # type: ignore[assignment]
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    started = time.monotonic()
+    fut = ckpt.save("b", m)
+    try:
+        fut.result(timeout=30)  # type: ignore[union-attr]
+        said = "no error"
+    except BaseException as exc:  # noqa: BLE001 - reported
+        said = f"{type(exc).__name__}: {exc}"
+    out: dict[str, Any] = {"said": said, "took": time.monotonic() - started}
+    out["newest"] = open(os.path.join(root, "newest")).read().strip()
+    if stopped is None:
+        ckpt.close()
+        fresh = model(9)
+        smpckpt.Checkpointer(root).resume("b", fresh)
+        out["equal"] = all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
+        return out
+    if rank != stopped:
+        os.kill(pids[stopped], signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while getattr(ckpt._save_lane, "_current", None) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the thread left behind ends now
+        try:
+            ckpt.save("c", m)
+            out["next"] = "no error"
+        except BaseException as exc:  # noqa: BLE001 - reported
+            out["next"] = f"{type(exc).__name__}: {exc}"
+        try:
+            ckpt.close()  # raises the kept failure once; tears down no groups (out of step)
+            out["closed"] = "no error"
+        except BaseException as exc:  # noqa: BLE001 - reported
+            out["closed"] = f"{type(exc).__name__}: {exc}"
+    # each saw its own b end, after rank 0 decided on the commit: what is committed is settled
+    out["newest_after"] = open(os.path.join(root, "newest")).read().strip()
+    out["tags"] = sorted(t for t in "abc" if os.path.exists(os.path.join(root, f"{t}_partial", MANIFEST_NAME)))
+    return out
+
+
+def a_background_collective_times_out(rank: int, world: int, root: str) -> dict[str, Any]:
+    """fix70c: the background groups made with a 2 s timeout (torch's 30 minutes, shortened), rank 1 writes
+    6 s late (alive: its heartbeat beats, no liveness give-up): rank 0's collective times out and the save
+    fails; what each rank's next save says (the group is broken: gloo's "pair closure", naming no rank)."""
+    import datetime
+
+    import smpckpt.api.checkpointer as ck
+
+    real_new_group = dist.new_group
+
+    def short(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("backend") == "gloo":
+            kwargs["timeout"] = datetime.timedelta(seconds=2)
+        return real_new_group(*args, **kwargs)
+
+    dist.new_group = short  # type: ignore[assignment]
+    m = model(0)
+    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    ckpt.save("a", m).result()  # type: ignore[union-attr]
+    real = ck.write_checkpoint
+
+    def late(*args: Any) -> None:
+        if rank == 1:
+            time.sleep(6)
+        real(*args)
+
+    ck.write_checkpoint = late  # type: ignore[assignment]
+    out: dict[str, Any] = {}
+    for tag in ("b", "c", "d"):
+        try:
+            ckpt.save(tag, m).result(timeout=60)  # type: ignore[union-attr]
+            out[tag] = "no error"
+        except BaseException as exc:  # noqa: BLE001 - reported
+            out[tag] = f"{type(exc).__name__}: {exc}"
+        ck.write_checkpoint = real  # type: ignore[assignment]
+    out["newest"] = open(os.path.join(root, "newest")).read().strip()
+    return out
+
+
+def a_peer_stops_in_a_drain(rank: int, world: int, root: str) -> dict[str, Any]:
+    """fix70c: a fast tier per rank draining every save; in the drain of ``b`` rank 1 stops itself (SIGSTOP)
+    before copying. Rank 0 says what its wait said and how long it took, and, once rank 1 is let go and
+    its drain thread ended, ``path``'s ``newest`` and what is committed there."""
+    import smpckpt.api._drain as drain_module
+    from smpckpt.storage.format.manifest import MANIFEST_NAME
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    m = model(0)
+    tier = smpckpt.FastTier(f"{root}-fast/node{rank}", durable_every=1, num_kept_local=None)
+    ckpt = smpckpt.Checkpointer(root, fast_tier=tier)
+    ckpt.save("a", m)
+    ckpt.wait()
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    real = drain_module._Copies.copy_all
+
+    def held(self: Any, dctx: Any, tag: str, files: Any) -> Any:
+        if rank == 1 and tag == "b":
+            os.kill(os.getpid(), signal.SIGSTOP)  # until rank 0 sends SIGCONT
+        return real(self, dctx, tag, files)
+
+    drain_module._Copies.copy_all = held  # type: ignore[method-assign]
+    started = time.monotonic()
+    ckpt.save("b", m)
+    try:
+        ckpt.wait()
+        said = "no error"
+    except BaseException as exc:  # noqa: BLE001 - reported
+        said = f"{type(exc).__name__}: {exc}"
+    out: dict[str, Any] = {"said": said, "took": time.monotonic() - started}
+    if rank == 0:
+        os.kill(pids[1], signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while getattr(ckpt._drain_lane, "_current", None) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the thread left behind ends now
+        out["newest"] = open(os.path.join(root, "newest")).read().strip()
+        out["tags"] = sorted(t for t in "ab" if os.path.exists(os.path.join(root, f"{t}_partial", MANIFEST_NAME)))
+    return out
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "returns-while-saving":
         returns_while_saving(sys.argv[2])

@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 import torch
 from async_workers import (
+    a_background_collective_times_out,
+    a_peer_stops_in_a_drain,
+    a_peer_stops_or_is_slow,
     destroyed_under_a_background_save,
     model,
     reused_after_the_group_was_made_again,
@@ -491,3 +494,65 @@ def test_an_async_save_refuses_a_tensor_it_cannot_stage_by_key(tmp_path, kind: s
     with pytest.raises(smpckpt.SpecError, match=rf"model\.odd: {said}"):
         with smpckpt.Checkpointer(str(tmp_path), async_options=options) as ck:
             ck.save("t", model).result()
+
+
+_BOUND = 3.0  # the job's process-group timeout in the two tests below: the hung-peer bound
+
+
+@pytest.mark.parametrize("stopped", [1, 0])
+def test_an_async_save_whose_peer_stopped_fails_within_the_jobs_timeout_naming_it(tmp_path: Any, stopped: int) -> None:
+    """fix70c: one rank SIGSTOPped at the start of its background write (a vanished node that keeps its TCP
+    connections): the other's future waited for the background group's 30 minutes (gloo's wait cannot be
+    interrupted). Now a liveness watch fails it within about the job's 3 s timeout naming the stopped rank;
+    once that rank is let go, the save commits nothing (rank 0 commits: its own give-up, or the other's
+    recorded in the store, refuses it), ``newest`` stays ``a``, and the next save is refused by name."""
+    root = str(tmp_path / "ckpt")
+    got = run_world(a_peer_stops_or_is_slow, 2, root, f"stop{stopped}", _BOUND, timeout=120, pg_timeout=_BOUND)
+    waiter, held = got[1 - stopped], got[stopped]
+    assert waiter["said"].startswith(f"CheckpointError: rank {1 - stopped}: rank {stopped} gave no sign of life for 3s")
+    assert "its process is stopped or its node is gone" in waiter["said"], waiter
+    assert "The background save of checkpoint 'b' was given up: it commits nothing from now on" in waiter["said"]
+    assert waiter["took"] < _BOUND + 10, waiter
+    assert "given up while a peer was silent" in held["said"], held  # once let go: refused at the commit
+    for g in got:
+        assert [g["newest"], g["newest_after"], g["tags"]] == ["a", "a", ["a"]], got
+    assert waiter["next"].startswith("CheckpointError: ") and "refused: an earlier background save" in waiter["next"]
+    assert f"rank {stopped} gave no sign of life" in waiter["next"], waiter
+    assert waiter["closed"].startswith("CheckpointError: the background save of checkpoint 'b' failed"), waiter
+
+
+def test_an_async_save_whose_peer_writes_far_longer_than_the_jobs_timeout_succeeds(tmp_path: Any) -> None:
+    """fix70c, rev69g: rank 1 writes 9 s longer than rank 0 under a 3 s job timeout: healthy slow I/O, its
+    process beating, so the save succeeds and loads back bit-exact (the background groups taking the job's
+    timeout failed it)."""
+    root = str(tmp_path / "ckpt")
+    for got in run_world(a_peer_stops_or_is_slow, 2, root, "slow", _BOUND, timeout=120, pg_timeout=_BOUND):
+        assert got["said"] == "no error" and got["newest"] == "b" and got["equal"] is True, got
+        assert got["took"] >= 3 * _BOUND, got
+
+
+def test_a_save_after_a_background_collective_timed_out_is_refused_by_name(tmp_path: Any) -> None:
+    """fix70c: a background collective that timed out (groups made with 2 s here, torch's 30 minutes in a job)
+    leaves its gloo group broken: every later save of that Checkpointer failed with gloo's bare "Application
+    timeout caused pair closure" (a RuntimeError naming no rank). Now refused by name, on every rank."""
+    root = str(tmp_path / "ckpt")
+    for rank, got in enumerate(run_world(a_background_collective_times_out, 2, root, timeout=120, pg_timeout=30)):
+        assert got["b"].startswith(f"CheckpointError: rank {rank} of 2: saving checkpoint 'b'"), got
+        assert got["d"].startswith(f"CheckpointError: rank {rank} of 2: saving checkpoint 'd'"), got
+        assert (
+            "refused: the background save of 'b' failed in a collective of this Checkpointer's gloo group" in got["d"]
+        )
+        assert "which leaves that group broken: end the job" in got["d"] and got["newest"] == "a", got
+
+
+def test_a_drain_whose_peer_stopped_fails_within_the_jobs_timeout_and_commits_nothing(tmp_path: Any) -> None:
+    """fix70c: rank 1 SIGSTOPped in the drain of ``b`` to ``path``: rank 0's wait() waited for the drain group's
+    30 minutes. Now it fails within about the job's 3 s timeout naming rank 1; let go, rank 1's drain reaches
+    rank 0's commit, which refuses it: ``path`` keeps ``a`` as newest and holds no ``b``."""
+    root = str(tmp_path / "ckpt")
+    first, second = run_world(a_peer_stops_in_a_drain, 2, root, timeout=120, pg_timeout=_BOUND)
+    assert first["said"].startswith("CheckpointError: the drain of checkpoint 'b' to the durable tier failed"), first
+    assert "rank 0: rank 1 gave no sign of life for 3s" in first["said"], first
+    assert "it commits nothing to `path` from now on" in first["said"], first
+    assert first["took"] < _BOUND + 10 and first["newest"] == "a" and first["tags"] == ["a"], first
+    assert "given up while a peer was silent" in second["said"], second

@@ -575,12 +575,12 @@ def _replicated(entry: Entry, world: int) -> bool:
 
 
 def _carries_no_data(entry: Entry) -> bool:
-    """An empty piece of a non-empty tensor (an uneven split giving a rank nothing) is not written (its
-    offset can be a neighbour's real chunk's); an empty *global* tensor is, so its key and shape are."""
+    """A piece empty along a dim the global tensor is not (an uneven split's) is not written: its offset can
+    be a neighbour's chunk's. An empty *global* tensor's other pieces are, so its key and shape are."""
     chunk, shape = entry.chunk, entry.global_shape
     if chunk is None or shape is None:
         return False
-    return 0 in chunk.sizes and 0 not in shape  # extents are never negative
+    return any(n == 0 and g != 0 for n, g in zip(chunk.sizes, shape))  # extents are never negative
 
 
 def _tensor_item(

@@ -214,9 +214,12 @@ def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | 
     abandoned (``durable``'s ranges, the root's copy's among them, and a newer usable save's: rev60c F2)."""
     usable, ranges = [], set(durable.abandoned if durable is not None and tag is None else ())
     for c in found:  # newest first
-        if c.complete and (durable is None or durable.order <= c.order):
+        if durable is None or durable.order <= c.order:
             if not any(lo <= c.seq <= hi for lo, hi in ranges) or tag is not None:
-                usable.append(c)
+                if c.complete:
+                    usable.append(c)
+                # a committed save whose copy lost a file still records its roll-back: without it a save that
+                # roll-back discarded was loaded (rev70a L)
                 ranges.update(p for p in c.abandoned if p[1] < c.seq)
     if durable is not None and tag is None:
         usable = _same_history(usable, durable, {c.order for c in found})

@@ -234,7 +234,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         # the fast tiers' copies are numbered too (catalog.root): this save is numbered after them; once this job
         # drew, not after another job's sharing this fast folder (one node, one local_path and path): counted seen,
         # its drained checkpoint was no longer refused and this job's retention removed it from path (fix70a)
-        me = part.counter.job
+        me = part.counter.job if part.counter.drawn else ""  # a save's draw: an export before it draws too (rev70a)
         copies = [
             c.order[0] for v in views for c in v.values() if c.digest is not None and c.job in (None, me or c.job)
         ]

@@ -250,6 +250,11 @@ class SequenceCounter:
             raise refused(self.root, found, self._tag, self._drawn, "resume", late or "")
         return target
 
+    @property
+    def drawn(self) -> int:
+        """This job's last save's number (a guarded draw: an export's draw sets none); 0 before its first save."""
+        return self._drawn
+
     def saw(self, seq: int, *, listed: bool = False) -> None:
         """A checkpoint numbered ``seq`` exists under the root; ``listed``: the highest of a whole listing."""
         with self._lock:

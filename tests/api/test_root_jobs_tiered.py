@@ -5,7 +5,9 @@ real second process (its own identity, ``extra["job"]``)."""
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -136,3 +138,51 @@ def test_a_tiered_restart_loads_its_own_newer_fast_copy_over_its_predecessors_la
         a.kill() if a.poll() is None else None
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "'a2' (sequence 2) committed by the job this one replaced" in said, said
+
+
+_PREDECESSOR = r"""
+import sys, torch, warnings
+from torch import nn
+import smpckpt
+warnings.simplefilter("ignore")
+torch.manual_seed(1)
+m = nn.Linear(4, 2)
+o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+with smpckpt.Checkpointer(sys.argv[1], fast_tier=smpckpt.FastTier(sys.argv[2], replicas=1, durable_every=3)) as c:
+    for i in range(1, 6):
+        with torch.no_grad():
+            m.weight.fill_(float(i))
+        c.save(f"a{i}", m, o)
+"""
+
+
+def test_an_export_before_a_restarts_first_save_keeps_its_roll_back(tmp_path: Any) -> None:
+    """rev70a: the predecessor saved a1..a5 (a3 in path, a4 and a5 in the fast tier only); the restart rolled back
+    to a3, exported, then saved b1. The export's draw counted as the job's save, so b1 numbered past a3 only (5,
+    a5's number) without a5's own copy, and recorded no roll-back: a later tag-less resume with b1 unusable took
+    a5, a save the roll-back discarded. b1 numbers after a5 and records [4, 5] abandoned, as without the export."""
+    import subprocess
+    import sys
+
+    root, fast = str(tmp_path / "run"), str(tmp_path / "fast")
+    subprocess.run([sys.executable, "-c", _PREDECESSOR, root, fast], check=True, timeout=300)
+    m, o = model()
+    with Checkpointer(root, fast_tier=FastTier(fast, replicas=1, durable_every=4)) as b:  # b1 in the fast tier only
+        b.resume("a3", model=m, optimizer=o)
+        assert float(m.weight.flatten()[0]) == 3.0
+        b.export("e1", str(tmp_path / "exp"), model=m, optimizer=o)
+        with torch.no_grad():
+            m.weight.fill_(100.0)
+        b.save("b1", m, o)
+        b.wait()
+    manifest = next(
+        json.loads(p.read_text()) for p in Path(fast).rglob("*manifest.json") if p.parent.name == "b1_partial"
+    )
+    assert manifest["extra"]["sequence"] == 6 and manifest["extra"].get("abandoned") == [[4, 5]]
+    # b1's copy loses a file: the restart after it falls back past a4 and a5, which b1's roll-back discarded (its
+    # record was read from complete copies only: a5 was loaded, rev70a L)
+    next(p for p in Path(fast).rglob("*.distcp") if p.parent.name == "b1_partial").unlink()
+    with Checkpointer(root, fast_tier=FastTier(fast, replicas=1, durable_every=4)) as c:
+        c.resume(model=m, optimizer=o)
+        assert c.last_resume_info is not None and c.last_resume_info.tag == "a3"
+        assert torch.equal(m.weight, torch.full_like(m.weight, 3.0))

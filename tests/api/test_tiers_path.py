@@ -37,7 +37,7 @@ from smpckpt import (
     save_checkpoint,
     wait_for_saves,
 )
-from smpckpt.api._tiers import durable_key, job_folder
+from smpckpt.api._tiers import due_of, durable_key, job_folder
 
 
 def test_an_emptied_path_refuses_the_old_runs_fast_copies_by_name(tmp_path: Path) -> None:
@@ -531,3 +531,11 @@ def test_a_due_save_drained_later_is_known_as_paths_newest(s3_root: tuple[str, d
         resume_from_checkpoint(Location(root, storage_options=options), model=got, options=FastTier(local_path=fast))
     info = last_resume_info()
     assert info is not None and (info.tag, info.tier) == ("s3", "fast") and _same(got, model)
+
+
+def test_a_record_without_due_keeps_the_older_meaning_and_a_damaged_one_knows_less() -> None:
+    """fix70f: ``extra["tier"]["due"]`` absent (an older copy): ``None``, its ``path_seen`` compared alone, as
+    before; a damaged entry is no save of the job's (fewer known in path: a refusal, never a wrong load)."""
+    assert due_of(None) is None
+    assert due_of([[2, "a"], ["3", "b"], [4], [5, 6], True]) == ((2, "a"),)
+    assert due_of("junk") == ()

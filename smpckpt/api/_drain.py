@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from smpckpt.api._async import commit_point
 from smpckpt.api._dist import DistContext
 from smpckpt.api._save import SaveRequest, publish_newest, retain
-from smpckpt.api._tiers import Nodes
+from smpckpt.api._tiers import FastCandidate, LocalCopy, Nodes, TierState, candidates
 from smpckpt.catalog.root import partial_url, sequence_of
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointExists, CheckpointNotFound
 from smpckpt.storage import probe_checkpoint, tools
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from smpckpt.catalog.root import ManifestCache
 
 __all__ = ["drain", "copiers", "holders_of", "JOB_DRAINED", "read_drained", "is_drained", "path_down", "note_drained"]
+__all__ += ["pending_drains", "due_record"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -71,6 +72,24 @@ def read_drained(job: str) -> dict[str, str]:
         return {t: str(ids.get(t, "")) for t in tags if isinstance(t, str)} if isinstance(tags, list) else {}
     except (OSError, ValueError, AttributeError, TypeError):
         return {}
+
+
+def pending_drains(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int) -> list[FastCandidate]:
+    """Saves due for the durable tier newer than all it holds of this job (never drained), newest first."""
+    return [c for c in candidates(views) if c.durable and c.seq > durable_seq]
+
+
+_DUE_KEPT = 64  # a longer outage's older due saves are dropped: a resume refuses (names both), never loads wrong
+
+
+def due_record(memory: TierState) -> tuple[tuple[int, str], ...]:
+    """(rank 0, planning a save) Its ``extra["tier"]["due"]``: the job's saves due for ``path`` numbered above
+    what it knows there (``path_seq``), newest first, each with its save id. A checkpoint of ``path`` at such a
+    number is the job's only when it is that save (drained); another writer's there never saw the job's save,
+    which a number alone (``path_seen``, counting due numbers as known until fix70f) did not tell (rev70d)."""
+    kept = sorted(((n, i) for n, i in list(memory.due.items()) if n > memory.path_seq), reverse=True)[:_DUE_KEPT]
+    memory.due = dict(kept)
+    return tuple(kept)
 
 
 def is_drained(drained: Mapping[str, str], tag: str, save_id: str) -> bool:

@@ -268,11 +268,15 @@ def _same_history(
     those whose job knew it (``path_seen``). A higher ``durable`` that is no drained copy of this tier's
     saves was saved by a job that never saw them: the histories diverged. The newest such save refuses the
     resume, naming both; an older one is only dropped from the fallbacks. Copies without ``path_seen``
-    (older versions) keep the order alone."""
+    (older versions) keep the order alone. A number its job had only due there (``due``) is known when
+    ``durable`` is that very save, drained (rev70d: another writer's save of that number loaded over)."""
     drained = durable.order in copies  # path's newest is this fast tier's own save, drained
+    mine = (durable.order[0], durable.order[2])
 
     def knew(c: FastCandidate) -> bool:
-        return drained or c.path_seen is None or c.order == durable.order or durable.order[0] <= c.path_seen
+        if drained or c.path_seen is None or c.order == durable.order or mine in (c.due or ()):
+            return True
+        return durable.order[0] <= c.path_seen
 
     if usable and not knew(usable[0]):
         c = usable[0]
@@ -321,6 +325,9 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
                     # is not known in path: another job's save at its number there is a diverged history (rev70d)
                     drained = cand.durable and is_drained(read_drained(choice.job), cand.tag, cand.order[2])
                     part.state.saw_path(max(cand.path_seen or 0, cand.order[0] if drained else 0))
+                    part.state.due.update(cand.due or ())  # and its saves only due there, itself among them
+                    if cand.durable and not drained:
+                        part.state.due[cand.order[0]] = cand.order[2]
                 except BaseException as exc:  # every rank: a warning made an error (or a Ctrl-C) is one rank's, a
                     # CheckpointError naming it elsewhere: that rank must still reach the agreement (rev62b F1)
                     first = exc

@@ -22,7 +22,7 @@ from typing import Any
 
 from smpckpt.api._async import GlooGroups, Lane, commit_point, wait_logged
 from smpckpt.api._dist import DistContext, peer_failures
-from smpckpt.api._drain import drain, is_drained, note_drained, path_down, read_drained
+from smpckpt.api._drain import drain, due_record, is_drained, note_drained, path_down, pending_drains, read_drained
 from smpckpt.api._fast_resume import Loaded, choose_tier, lineage_for, load_tiered, runs_for
 from smpckpt.api._resume import ResumeRequest
 from smpckpt.api._save import SaveRequest, run_save
@@ -38,7 +38,6 @@ from smpckpt.api._tiers import (
     ends_of,
     fetch_copy,
     gather_views,
-    pending_drains,
     scan_job,
     tier_seq,
 )
@@ -78,14 +77,12 @@ class FastTierPart:
 
     def drew(self, tier: TierPlan, extra: Mapping[str, Any]) -> TierPlan:
         """(all ranks, the caller's thread) The plan to save with, once rank 0 drew the save's number
-        (``extra``); a save due for ``path`` is known to the job's later saves."""
+        (``extra``); what the draw read in ``path`` is known to the job's later saves."""
         if not extra:
             return tier
         if (found := self.counter.newest_read) is not None and not tier.offline:  # (rank 0) read by the draw
             _note_newest(tier.job, found)
-        self.state.saw_path(self.counter.read)
-        if tier.durable:
-            self.state.saw_path(sequence_of(extra))
+        self.state.saw_path(self.counter.read)  # not its own number when due: not in path yet (fix70f)
         return dataclasses.replace(tier, path_seen=max(tier.path_seen, self.counter.read))
 
     def save(self, req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> None:
@@ -94,6 +91,9 @@ class FastTierPart:
         if tier.drains:  # agreed: one rank's drain thread failing to start hung the others
             DistContext(req.process_group).all_ok(self.drain_lane.start)
         prepared = save_fast(req, state, extra, tier)
+        # (rank 0) due for path: a checkpoint there at its number is the job's only when it is this save (fix70f)
+        if tier.durable and extra:
+            self.state.due[sequence_of(extra)] = prepared.parsed().save_id
         self.state.continues = hash_bytes(prepared.manifest)  # the next save goes on from this one
         log.info(
             "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s; phases: %s",
@@ -177,7 +177,7 @@ class TierPlan:
     streams: tuple[Any, ...] = ()  #: the groups files move over (the first: agreements, the save thread's)
     drain_group: Any = None  #: the drain thread's group
     memory: TierState = dataclasses.field(default_factory=TierState, compare=False)  #: the Checkpointer's
-    #: (rank 0) the highest root sequence number this job knew in ``path`` or due there (``TierState.path_seq``)
+    #: (rank 0) the highest root sequence number this job knew in ``path`` (``TierState.path_seq``)
     path_seen: int = 0
     lineage: tuple[int, ...] = ()  #: (rank 0) the fast-tier saves it was numbered after (``lineage_for``)
     runs: tuple[tuple[int, int], ...] = ()  #: (rank 0) its history's segments (``runs_for``, ``_tiers.RUNS``)
@@ -185,6 +185,8 @@ class TierPlan:
     #: (rank 0's) ``path`` did not answer when planned: a due save is not drained now (its copiers would block
     #: for retries x timeouts on a hung endpoint, and the next save wait for them: rev68b F2), but pending
     offline: bool = False
+    #: (rank 0) its saves due for ``path`` numbered above ``path_seen``, with their save ids (``_drain.due_record``)
+    due: tuple[tuple[int, str], ...] = ()
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -208,6 +210,7 @@ class TierPlan:
             "root": self.root_key,
             # a checkpoint of path numbered higher was saved without this save's knowledge (_fast_resume)
             "path_seen": self.path_seen,
+            "due": [list(d) for d in self.due],  # path's checkpoint at such a number is the job's if it is that save
             # a fork: another save of that number is another history (a node back with an old disk)
             **({"lineage": ["skip" if d < 0 else f"{d:016x}" for d in self.lineage]} if self.lineage else {}),
             # further back: its history's segments, and the saves of others it passed over (_tiers.RUNS)
@@ -303,7 +306,8 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         wait_logged(part.drain_lane.fut, f"the drain of {part.drain_lane.tag!r} to the durable tier")
     retry = _pending(ctx, job, retry_of, nodes) if retry_of is not None else None
     if retry is not None and ctx.is_coordinator:  # this job drains it again: its history's, due for path
-        memory.saw_path(sequence_of(retry.prepared.parsed().extra))
+        again = retry.prepared.parsed()
+        memory.due[sequence_of(again.extra)] = again.save_id
     streams = part.groups.streams(ctx)
     drain_group = part.groups.get(ctx, "drain")
     key = durable_key(req.root, req.storage_options)
@@ -326,6 +330,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         lineage,
         *runs,
         offline=down,
+        due=due_record(memory),
     )
     plan.phases["plan"] = time.monotonic() - started
     return plan

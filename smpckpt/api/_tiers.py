@@ -46,7 +46,7 @@ __all__ = ["TIER_KEY", "JOB_PREFIX", "JOB_RECORD", "TierState", "Nodes", "node_l
 __all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views"]
 __all__ += ["CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "part_sizes"]
 __all__ += ["SKIPPED", "PATH_MARK", "LINEAGE"]
-__all__ += ["candidates", "tier_seq", "pending_drains", "fetch_copy"]
+__all__ += ["candidates", "tier_seq", "fetch_copy"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -73,9 +73,11 @@ class TierState:
     durable: int | None = None
     #: (folder, problem) named already: a crafted folder is named once, not at every save
     warned: set[tuple[str, str]] = dataclasses.field(default_factory=set)
-    #: the highest root sequence number this job knows in ``path`` or due there (a save of its own): each
-    #: tiered save records it (``path_seen``): a resume tells a checkpoint of ``path`` saved without it
+    #: the highest root sequence number this job knows in ``path`` (read there, or drained): each tiered save
+    #: records it (``path_seen``): a resume tells a checkpoint of ``path`` saved without it; and its saves due
+    #: there, not known drained: root sequence number -> save id (``due``: ``_drain.due_record``)
     path_seq: int = 0
+    due: dict[int, str] = dataclasses.field(default_factory=dict)
     continues: int | None = None  #: the save this job goes on from: its digest, PATH_MARK, None (unknown)
     #: (rank 0) the segments of the history it goes on from (``None``: unknown, the newest it sees) and the
     #: saves that history passed over (:data:`RUNS`); ``fresh``: its next save starts a segment (a resume)
@@ -110,9 +112,10 @@ class TierState:
         # to the save's, and a save made while path is down records it (path_seen); 0 there refused the restart
         # as "diverged histories" (rev68i F4)
         self.saw_path(other.path_seq)
+        self.due.update(other.due)
 
     def saw_path(self, seq: int) -> None:
-        """A checkpoint with root sequence number ``seq`` is in ``path`` or due there from this job."""
+        """A checkpoint with root sequence number ``seq`` is in ``path`` (not only due there: ``due``)."""
         self.path_seq = max(self.path_seq, seq)
 
 
@@ -319,8 +322,9 @@ def gather_views(
 # -- what one node's folder holds of the job (its copies, judged), and what the nodes hold together --------
 
 #: the manifest ``extra`` entry a tiered save adds: {"seq", "durable", "replicas", "nodes", "local_world_size", "root",
-#: "path_seen", "lineage"} -- ``path_seen`` (absent in older copies): the highest root sequence number its job
-#: knew in ``path`` (committed, or due there from itself) when it planned the save; ``lineage`` (absent in
+#: "path_seen", "due", "lineage"} -- ``path_seen`` (absent in older copies): the highest root sequence number
+#: its job knew in ``path`` (committed; in older copies without ``due``, or due there from itself too) when it
+#: planned the save; ``due``: ``[[number, save id], ...]``, its job's saves due there above it; ``lineage`` (absent in
 #: older copies): the hex digests of the fast-tier saves numbered 1, 2, ... below it, in its history;
 #: ``runs`` and ``passed`` (absent in older copies): :data:`RUNS`
 TIER_KEY = "tier"
@@ -346,6 +350,7 @@ class LocalCopy:
     durable: bool = False  #: the save was due for the durable tier
     detail: str = ""
     path_seen: int | None = None  #: ``extra["tier"]["path_seen"]`` (``None``: not recorded, an older copy)
+    due: tuple[tuple[int, str], ...] | None = None  #: ``extra["tier"]["due"]`` (``None``: an older copy)
     #: the digests of the saves its job numbered it after, newest first (``extra["tier"]["lineage"]``;
     #: :data:`SKIPPED` entries; empty: after a checkpoint of ``path``, or not recorded)
     lineage: tuple[int, ...] = ()
@@ -390,6 +395,13 @@ def runs_of(value: Any) -> tuple[tuple[int, int], ...]:
         return pairs[-RUNS:] if all(type(n) is int for _, n in pairs) else ()
     except (TypeError, ValueError):
         return ()
+
+
+def due_of(value: Any) -> tuple[tuple[int, str], ...] | None:
+    """``due`` as recorded (``None``: absent, an older copy); a damaged entry is no save of the job's (fewer
+    known in ``path``: a resume refuses, never loads over another writer's checkpoint)."""
+    ok = [e for e in (value if isinstance(value, list) else []) if isinstance(e, list) and len(e) == 2]
+    return None if value is None else tuple((n, i) for n, i in ok if type(n) is int and isinstance(i, str))
 
 
 def ends_of(runs: Sequence[tuple[int, int]]) -> dict[int, tuple[int, int]]:
@@ -465,6 +477,7 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
         part_sizes(manifest),
         tier.get("durable") is True,
         path_seen=seen if seen is not None and seen >= 0 else None,
+        due=due_of(tier.get("due")),
         lineage=lineage,
         abandoned=abandoned_of(manifest.extra),
         runs=runs_of(tier.get("runs")),
@@ -501,6 +514,7 @@ class FastCandidate:
     missing: tuple[str, ...]
     durable: bool = False
     path_seen: int | None = None  #: :attr:`LocalCopy.path_seen`
+    due: tuple[tuple[int, str], ...] | None = None  #: :attr:`LocalCopy.due`
     lineage: tuple[int, ...] = ()  #: :attr:`LocalCopy.lineage`
     abandoned: tuple[tuple[int, int], ...] = ()  #: :attr:`LocalCopy.abandoned`
     runs: tuple[tuple[int, int], ...] = ()  #: :attr:`LocalCopy.runs`
@@ -537,8 +551,8 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
         }
         held[MANIFEST_NAME] = tuple(i for i, v in enumerate(views) if t in v and v[t].digest == digest)
         missing = tuple(sorted(n for n, where in held.items() if not where))
-        more = (copy.durable, copy.path_seen, copy.lineage, copy.abandoned, copy.runs, copy.passed, copy.job)
-        out.append(FastCandidate(t, digest, copy.seq, copy.order, held, missing, *more))
+        more = (copy.durable, copy.path_seen, copy.due, copy.lineage, copy.abandoned, copy.runs, copy.passed)
+        out.append(FastCandidate(t, digest, copy.seq, copy.order, held, missing, *more, job=copy.job))
     out.sort(key=lambda c: (c.key, c.tag), reverse=True)
     return out
 
@@ -583,8 +597,3 @@ def fetch_copy(ctx: DistContext, job: str, cand: FastCandidate, nodes: Nodes, me
 
 def tier_seq(views: Sequence[Mapping[str, LocalCopy]]) -> int:
     return max((c.seq for view in views for c in view.values() if c.committed), default=0)
-
-
-def pending_drains(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int) -> list[FastCandidate]:
-    """Saves due for the durable tier newer than all it holds of this job (never drained), newest first."""
-    return [c for c in candidates(views) if c.durable and c.seq > durable_seq]

@@ -75,6 +75,7 @@ def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -
         "local_world_size": 1,
         "root": durable_key(str(durable), None),  # the durable root this copy belongs to
         "path_seen": 0,  # path held nothing when s2 was planned (s1 was not due for it)
+        "due": [],  # no save of its job due for path above that (fix70f)
     }
     # the durable copy is the fast tier's, byte for byte (drained from its files)
     for name in os.listdir(local / "s2_partial"):

@@ -4,6 +4,7 @@ copies silently) and an unreachable one (an object store's outage: the fast tier
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import socket
 import threading
@@ -36,7 +37,7 @@ from smpckpt import (
     save_checkpoint,
     wait_for_saves,
 )
-from smpckpt.api._tiers import durable_key, job_folder
+from smpckpt.api._tiers import due_of, durable_key, job_folder
 
 
 def test_an_emptied_path_refuses_the_old_runs_fast_copies_by_name(tmp_path: Path) -> None:
@@ -443,3 +444,98 @@ def test_a_copy_only_due_in_path_is_not_known_there_after_a_resume_by_tag(
     assert _tier_record(_job(Path(fast), root) / "s3_partial")["path_seen"] < 2  # s2 was never in path
     with pytest.raises(CheckpointError, match="diverged"):
         resume_from_checkpoint(up, model=_linear(7), options=FastTier(local_path=fast))
+
+
+@contextlib.contextmanager
+def _proxied(options: dict[str, Any]) -> Any:
+    """``path`` through a :class:`FreezingProxy` (``down``: an outage), one attempt per request."""
+    proxy = FreezingProxy(int(options["client_kwargs"]["endpoint_url"].rsplit(":", 1)[1]))
+    cfg = {**options["config_kwargs"], "retries": {"max_attempts": 1, "mode": "standard"}}
+    client = {**options["client_kwargs"], "endpoint_url": f"http://127.0.0.1:{proxy.port}"}
+    try:
+        yield proxy, {**options, "client_kwargs": client, "config_kwargs": cfg}
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_save_only_due_in_path_is_not_another_writers_save_of_its_number(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path, every: int
+) -> None:
+    """rev70d (fix70f): one Checkpointer saved up to s{d} drained, then its next saves while path was down (due,
+    never drained) and died; job X (no fast tier) resumed s{d} from path and saved x, numbered d + 1. The job's
+    later saves had recorded the due numbers as known in path (path_seen), so the tag-less restart loaded the
+    fast tier's newest over x silently (every=2: x's number is no due save's, below a due one). Now a due number
+    is known only as that save (``due``: number, save id): the restart refuses, naming both."""
+    root, options = s3_root
+    fast = str(tmp_path / "fast")
+    tier = FastTier(local_path=fast, replicas=1, num_kept_local=1, durable_every=every)
+    with _proxied(options) as (proxy, flaky):
+        c = Checkpointer(Location(root, storage_options=flaky), fast_tier=tier)
+        for s in range(1, every + 1):  # s{every} drained
+            c.save(f"s{s}", model=_linear(s))
+            c.wait()
+        proxy.down, ids = True, {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # path unreachable: said, tested above
+            for s in range(every + 1, 2 * every + 2):  # every=1: s2, s3 (both due); every=2: s3, s4 (due), s5
+                c.save(f"s{s}", model=_linear(s))
+                c.wait()
+                ids[s] = json.loads((_job(Path(fast), root) / f"s{s}_partial" / "smpckpt.manifest.json").read_text())
+        proxy.down = False
+        newest = f"s{2 * every + 1}"
+        other = _linear(0)  # job X, without the fast tier
+        resume_from_checkpoint(Location(root, storage_options=options), model=other)
+        assert last_resume_info().tag == f"s{every}"  # type: ignore[union-attr]
+        save_checkpoint(Location(root, storage_options=options), "x", model=other)
+        with pytest.raises(CheckpointError, match=rf"diverged.*'{newest}'.*'x'|diverged.*'x'.*'{newest}'"):
+            resume_from_checkpoint(
+                Location(root, storage_options=flaky), model=_linear(7), options=FastTier(local_path=fast)
+            )
+        got = _linear(7)  # tag= chooses: the fast tier's history
+        resume_from_checkpoint(
+            Location(root, storage_options=flaky), newest, model=got, options=FastTier(local_path=fast)
+        )
+        assert last_resume_info().tier == "fast" and _same(got, _linear(2 * every + 1))  # type: ignore[union-attr]
+        # what it recorded: path_seen what it read in path (s{every}), its due save with the save's id
+        record = _tier_record(_job(Path(fast), root) / f"{newest}_partial")
+        assert (record["path_seen"], record["due"]) == (every, [[2 * every, ids[2 * every]["save_id"]]])
+
+
+def test_a_due_save_drained_later_is_known_as_paths_newest(s3_root: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    """fix70f: s2, due while path was down, drained by s3's save once path answered (a retry), and the fast tier
+    let s2 go: path's newest, at s2's number above s3's path_seen, is s3's due save (its save id): s3 loads."""
+    root, options = s3_root
+    fast = str(tmp_path / "fast")
+    tier = FastTier(local_path=fast, replicas=1, num_kept_local=1, durable_every=2)
+    with _proxied(options) as (proxy, flaky):
+        c = Checkpointer(Location(root, storage_options=flaky), fast_tier=tier)
+        c.save("s1", model=_linear(1))
+        c.wait()
+        proxy.down = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # path unreachable: said, tested above
+            c.save("s2", model=_linear(2))
+            c.wait()
+        proxy.down = False
+        model = _linear(3)
+        c.save("s3", model=model)  # not due: drains s2 again
+        c.wait()
+        c.close()
+        job = _job(Path(fast), root)
+        shutil.rmtree(job / "s2_partial", ignore_errors=True)  # gone from the fast tier (retention's to decide)
+        record = _tier_record(job / "s3_partial")
+        assert record["path_seen"] < 2 and [n for n, _ in record["due"]] == [2]
+        assert s3fs.S3FileSystem(**options).exists(f"{root}/s2_partial/smpckpt.manifest.json")
+        got = _linear(7)
+        resume_from_checkpoint(Location(root, storage_options=options), model=got, options=FastTier(local_path=fast))
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s3", "fast") and _same(got, model)
+
+
+def test_a_record_without_due_keeps_the_older_meaning_and_a_damaged_one_knows_less() -> None:
+    """fix70f: ``extra["tier"]["due"]`` absent (an older copy): ``None``, its ``path_seen`` compared alone, as
+    before; a damaged entry is no save of the job's (fewer known in path: a refusal, never a wrong load)."""
+    assert due_of(None) is None
+    assert due_of([[2, "a"], ["3", "b"], [4], [5, 6], True]) == ((2, "a"),)
+    assert due_of("junk") == ()

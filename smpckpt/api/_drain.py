@@ -43,10 +43,11 @@ from smpckpt.storage.tools import check_blocks
 
 if TYPE_CHECKING:
     from smpckpt.api._fast_save import PendingDrain, TierPlan
+    from smpckpt.api._resume import Target
     from smpckpt.catalog.root import ManifestCache
 
 __all__ = ["drain", "copiers", "holders_of", "JOB_DRAINED", "read_drained", "is_drained", "path_down", "note_drained"]
-__all__ += ["pending_drains", "due_record"]
+__all__ += ["pending_drains", "due_record", "same_history"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -90,6 +91,50 @@ def due_record(memory: TierState) -> tuple[tuple[int, str], ...]:
     kept = sorted(((n, i) for n, i in list(memory.due.items()) if n > memory.path_seq), reverse=True)[:_DUE_KEPT]
     memory.due = dict(kept)
     return tuple(kept)
+
+
+def same_history(
+    usable: list[FastCandidate], durable: Target, copies: set[tuple[int, int, str]], ties: Sequence[FastCandidate] = ()
+) -> list[FastCandidate]:
+    """(every rank alike) The fast-tier saves that may supersede ``path``'s newest checkpoint ``durable``:
+    those whose job knew it (``path_seen``). A higher ``durable`` that is no drained copy of this tier's
+    saves was saved by a job that never saw them: the histories diverged. The newest such save refuses the
+    resume, naming both; an older one is only dropped from the fallbacks. Copies without ``path_seen``
+    (older versions) keep the order alone. A number its job had only due there (``due``) is known when
+    ``durable`` is that very save, drained (rev70d: another writer's save of that number loaded over).
+    ``ties``: the complete saves due for ``path`` at ``durable``'s number, none usable: one that is not
+    ``durable`` (another save id) and whose job never knew it is a diverged history too (another writer took
+    the number it was to have in ``path``), refused alike when nothing newer is loaded (fix70g: an equal
+    number went to the later save time, and ``path``'s loaded over the job's due save silently). A save not
+    due is not one: ``path``'s later save of its number is newer, as a higher-numbered one is."""
+    drained = durable.order in copies  # path's newest is this fast tier's own save, drained
+    mine = (durable.order[0], durable.order[2])
+
+    def knew(c: FastCandidate) -> bool:
+        if drained or c.path_seen is None or c.order == durable.order or mine in (c.due or ()):
+            return True
+        return durable.order[0] <= c.path_seen
+
+    first = usable[0] if usable else next((c for c in ties if not knew(c)), None)
+    if first is not None and not knew(first):
+        c = first
+        raise CheckpointError(
+            f"ambiguous resume: the fast tier's newest checkpoint {c.tag!r} (sequence number {c.order[0]}) and "
+            f"path's newest, {durable.url} (tag {durable.tag!r}, sequence number {durable.order[0]}), belong to "
+            f"diverged histories: {durable.tag!r} was saved by a writer that never saw {c.tag!r} (a job without this "
+            f"fast tier resumed from an older checkpoint, or another writer of this root without the fast tier, "
+            f"such as a second Checkpointer, numbering from path alone), and the job that saved {c.tag!r} knew nothing "
+            f"in path numbered above {c.path_seen}. "
+            + (
+                f"Pass resume(tag={durable.tag!r}) to continue path's history, or resume(tag={c.tag!r}) to continue "
+                "the fast tier's"
+                if c.tag != durable.tag
+                # a tag in both tiers loads its later save, path's here: the fast tier's copy is not chosen by tag
+                else f"Both are tag {c.tag!r}: resume(tag={c.tag!r}) continues path's, the later save of the tag (the "
+                f"fast tier's save of it, in the nodes' local_path {c.tag}_partial folders, is not chosen by tag)"
+            )
+        )
+    return [c for c in usable if knew(c)]
 
 
 def is_drained(drained: Mapping[str, str], tag: str, save_id: str) -> bool:

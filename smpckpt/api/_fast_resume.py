@@ -3,8 +3,8 @@ committed in ``path``, whichever is newer; a fast-tier copy that cannot be loade
 then to ``path``'s (README, "Tiered checkpoints").
 
 :func:`choose_tier` (all: listings gathered, complete fast-tier saves newest first; rank 0 finds
-``path``'s newest, broadcast; ``tag=None`` refuses diverged histories, :func:`_same_history`, and another
-job's checkpoint it would load, :func:`_refusals`) ->
+``path``'s newest, broadcast; ``tag=None`` refuses diverged histories,
+:func:`~smpckpt.api._drain.same_history`, and another job's checkpoint it would load, :func:`_refusals`) ->
 :func:`load_tiered` (all, for each newer fast-tier save: its manifest and metadata broadcast and written by
 the leaders that lack them, dcp.load with a :class:`PeerFetchingReader` fetching from peers the parts a node lacks; on failure
 the leaders check their copies (``repair``) and the load is tried once more from a good peer), then
@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from smpckpt.api._dist import DistContext
-from smpckpt.api._drain import is_drained, note_drained, path_down, read_drained, refuse_emptied
+from smpckpt.api._drain import is_drained, note_drained, path_down, read_drained, refuse_emptied, same_history
 from smpckpt.api._resume import (
     ResumeRequest,
     Target,
@@ -211,7 +211,8 @@ def _refuse(refused: tuple[str, ...], i: int) -> None:
 def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | None) -> list[FastCandidate]:
     """(every rank alike; ``smpckpt ls --local`` too) The complete fast-tier saves a resume may load, newest
     first: none older than ``durable``, none of another history (:func:`refuse_forked`), none a roll-back
-    abandoned (``durable``'s ranges, the root's copy's among them, and a newer usable save's: rev60c F2)."""
+    abandoned (``durable``'s ranges, the root's copy's among them, and a newer usable save's: rev60c F2);
+    ``tag=None``: none of a history that diverged from ``path``'s (:func:`~smpckpt.api._drain.same_history`)."""
     usable, ranges = [], set(durable.abandoned if durable is not None and tag is None else ())
     for c in found:  # newest first
         if durable is None or durable.order <= c.order:
@@ -221,8 +222,10 @@ def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | 
                 # a committed save whose copy lost a file still records its roll-back: without it a save that
                 # roll-back discarded was loaded (rev70a L)
                 ranges.update(p for p in c.abandoned if p[1] < c.seq)
-    if durable is not None and tag is None:
-        usable = _same_history(usable, durable, {c.order for c in found})
+    if durable is not None and tag is None:  # and the saves due for path at its newest's number, older by time
+        n = durable.order[0]
+        ties = [c for c in found if c.complete and c.durable and c.seq == n and not any(a <= n <= b for a, b in ranges)]
+        usable = same_history(usable, durable, {c.order for c in found}, ties)
     if usable:  # tag=X too: two histories may both hold X
         refuse_forked(usable[0], found)
     return usable
@@ -259,37 +262,6 @@ def refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
                 "other history's {tag}_partial folders from the nodes' local_path"
             )
         )
-
-
-def _same_history(
-    usable: list[FastCandidate], durable: Target, copies: set[tuple[int, int, str]]
-) -> list[FastCandidate]:
-    """(every rank alike) The fast-tier saves that may supersede ``path``'s newest checkpoint ``durable``:
-    those whose job knew it (``path_seen``). A higher ``durable`` that is no drained copy of this tier's
-    saves was saved by a job that never saw them: the histories diverged. The newest such save refuses the
-    resume, naming both; an older one is only dropped from the fallbacks. Copies without ``path_seen``
-    (older versions) keep the order alone. A number its job had only due there (``due``) is known when
-    ``durable`` is that very save, drained (rev70d: another writer's save of that number loaded over)."""
-    drained = durable.order in copies  # path's newest is this fast tier's own save, drained
-    mine = (durable.order[0], durable.order[2])
-
-    def knew(c: FastCandidate) -> bool:
-        if drained or c.path_seen is None or c.order == durable.order or mine in (c.due or ()):
-            return True
-        return durable.order[0] <= c.path_seen
-
-    if usable and not knew(usable[0]):
-        c = usable[0]
-        raise CheckpointError(
-            f"ambiguous resume: the fast tier's newest checkpoint {c.tag!r} (sequence number {c.order[0]}) and "
-            f"path's newest, {durable.url} (tag {durable.tag!r}, sequence number {durable.order[0]}), belong to "
-            f"diverged histories: {durable.tag!r} was saved by a writer that never saw {c.tag!r} (a job without this "
-            f"fast tier resumed from an older checkpoint, or another writer of this root without the fast tier, "
-            f"such as a second Checkpointer, numbering from path alone), and the job that saved {c.tag!r} knew nothing "
-            f"in path numbered above {c.path_seen}. Pass resume(tag={durable.tag!r}) to continue path's history, "
-            f"or resume(tag={c.tag!r}) to continue the fast tier's"
-        )
-    return [c for c in usable if knew(c)]
 
 
 def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: FastTierPart) -> Loaded | None:

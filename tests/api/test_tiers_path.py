@@ -539,3 +539,43 @@ def test_a_record_without_due_keeps_the_older_meaning_and_a_damaged_one_knows_le
     assert due_of(None) is None
     assert due_of([[2, "a"], ["3", "b"], [4], [5, 6], True]) == ((2, "a"),)
     assert due_of("junk") == ()
+
+
+@pytest.mark.parametrize("writer", ["another job", "a plain save of the tag"])
+def test_a_due_save_and_another_writers_save_of_its_number_are_refused_whichever_is_later(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path, writer: str
+) -> None:
+    """fix70g: s1 drained, s2 due and never drained (path down); then a writer numbering from path alone saved
+    at s2's number 2, later by the clock: job X (no fast tier) resuming s1 and saving x2, or a plain
+    save_checkpoint of the tag s2 itself (its own Checkpointer). Equal numbers went to the later save time: the
+    tag-less restart loaded path's silently and dropped s2 (s2 later: refused as diverged). Refused alike now,
+    naming both; tag= chooses (the same tag in both tiers: tag= loads path's, the later save of it)."""
+    root, options = s3_root
+    up, down = Location(root, storage_options=options), Location(root, storage_options=_down(options))
+    fast = str(tmp_path / "fast")
+    tier = FastTier(local_path=fast, replicas=1, num_kept_local=1)
+    save_checkpoint(up, "s1", model=_linear(1), options=tier)
+    wait_for_saves()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # path unreachable: said, tested above
+        save_checkpoint(down, "s2", model=_linear(2), options=tier)
+    wait_for_saves()
+    if writer == "another job":
+        other = _linear(0)
+        resume_from_checkpoint(up, model=other)
+        assert last_resume_info().tag == "s1"  # type: ignore[union-attr]
+        theirs, saved = "x2", other
+        save_checkpoint(up, theirs, model=other)
+    else:
+        theirs, saved = "s2", _linear(5)
+        save_checkpoint(up, theirs, model=saved)  # numbered from path alone: 2, as s2
+    said = rf"'s2' \(sequence number 2\).*tag '{theirs}', sequence number 2\), belong to diverged"
+    said += ".*Both are tag 's2'" if theirs == "s2" else ".*tag='x2'.*tag='s2'"
+    with pytest.raises(CheckpointError, match=said):
+        resume_from_checkpoint(up, model=_linear(7), options=FastTier(local_path=fast))
+    got = _linear(7)  # path's, by its tag
+    resume_from_checkpoint(up, theirs, model=got, options=FastTier(local_path=fast))
+    assert last_resume_info().tier == "durable" and _same(got, saved)  # type: ignore[union-attr]
+    if theirs != "s2":  # the fast tier's, by its tag
+        resume_from_checkpoint(up, "s2", model=got, options=FastTier(local_path=fast))
+        assert last_resume_info().tier == "fast" and _same(got, _linear(2))  # type: ignore[union-attr]

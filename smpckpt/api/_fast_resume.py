@@ -214,14 +214,19 @@ def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | 
     abandoned (``durable``'s ranges, the root's copy's among them, and a newer usable save's: rev60c F2);
     ``tag=None``: none of a history that diverged from ``path``'s (:func:`~smpckpt.api._drain.same_history`)."""
     usable, ranges = [], set(durable.abandoned if durable is not None and tag is None else ())
+    partial: list[FastCandidate] = []  # incomplete copies: their roll-backs count within their own history only
     for c in found:  # newest first
         if durable is None or durable.order <= c.order:
-            if not any(lo <= c.seq <= hi for lo, hi in ranges) or tag is not None:
+            hit = any(lo <= c.seq <= hi for lo, hi in ranges) or any(
+                lo <= c.seq <= hi and not apart(x, c) for x in partial for lo, hi in x.abandoned if hi < x.seq
+            )
+            if not hit or tag is not None:
                 if c.complete:
                     usable.append(c)
-                # a committed save whose copy lost a file still records its roll-back: without it a save that
-                # roll-back discarded was loaded (rev70a L)
-                ranges.update(p for p in c.abandoned if p[1] < c.seq)
+                    ranges.update(p for p in c.abandoned if p[1] < c.seq)
+                else:  # a committed save whose copy lost a file still records its roll-back: without it a save
+                    # that roll-back discarded was loaded (rev70a L); not another history's (an old disk: rev70f)
+                    partial.append(c)
     if durable is not None and tag is None:  # and the saves due for path at its newest's number, older by time
         n = durable.order[0]
         ties = [c for c in found if c.complete and c.durable and c.seq == n and not any(a <= n <= b for a, b in ranges)]

@@ -186,3 +186,46 @@ def test_an_export_before_a_restarts_first_save_keeps_its_roll_back(tmp_path: An
         c.resume(model=m, optimizer=o)
         assert c.last_resume_info is not None and c.last_resume_info.tag == "a3"
         assert torch.equal(m.weight, torch.full_like(m.weight, 3.0))
+
+
+def test_an_old_disks_incomplete_copy_of_another_history_hides_nothing(tmp_path: Path) -> None:
+    """rev70f: job 1 saved s1..s7 (s5 in path); job 2 rolled back to s5 and saved x (8, abandoning 6-7) on a disk
+    then pulled; job 3 resumed path's s5 and saved t6, t7, never seeing x; the old disk came back with x missing a
+    file. x's roll-back record (read from incomplete copies since rev70a L) dropped t6 and t7 and the restart
+    loaded s5 with only "x is incomplete" said. An incomplete copy's record counts within its own history only."""
+    import shutil
+
+    from tier_helpers import job as job_folder
+    from tier_helpers import linear, same
+
+    root, fast = str(tmp_path / "run"), str(tmp_path / "fast")
+
+    def tier() -> FastTier:
+        return FastTier(local_path=fast, replicas=1, durable_every=5)
+
+    with Checkpointer(root, fast_tier=tier()) as c:  # job 1: s1..s7, s5 drained
+        for s in range(1, 8):
+            c.save(f"s{s}", model=linear(s))
+            c.wait()
+    with Checkpointer(root, fast_tier=tier()) as c:  # job 2: rolls back to s5, saves x
+        c.resume("s5", model=linear(0))
+        c.save("x", model=linear(80))
+        c.wait()
+    shutil.copytree(job_folder(Path(fast), root) / "x_partial", tmp_path / "old_disk")
+    shutil.rmtree(fast)  # the disk pulled: the fast tier lost
+    t7 = linear(107)
+    with Checkpointer(root, fast_tier=tier()) as c:  # job 3: path's s5, then t6, t7
+        c.resume(model=linear(0))
+        assert c.last_resume_info is not None and c.last_resume_info.tag == "s5"
+        c.save("t6", model=linear(106))
+        c.wait()
+        c.save("t7", model=t7)
+        c.wait()
+    back = job_folder(Path(fast), root) / "x_partial"
+    shutil.copytree(tmp_path / "old_disk", back)  # the old disk is back, x missing a data file
+    next(back.rglob("*.distcp")).unlink()
+    got = linear(7)
+    with Checkpointer(root, fast_tier=tier()) as c:
+        c.resume(model=got)
+        assert c.last_resume_info is not None and c.last_resume_info.tag == "t7"
+    assert same(got, t7)

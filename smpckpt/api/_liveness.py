@@ -62,8 +62,8 @@ def _period(bound: float) -> float:
 
 
 def _read_period(bound: float) -> float:
-    """How often a watch reads its peers' beats (each read is one request for every peer's key, to the store
-    every rank shares): a few times within the bound, at least every 30 s."""
+    """How often a watch reads its peers' beats (each read is a check and a multi-get of every peer's key, to the
+    store every rank shares): a few times within the bound, at least every 30 s."""
     return min(30.0, max(_period(bound), bound / 5))
 
 
@@ -75,16 +75,17 @@ class Heartbeat(threading.Thread):
     def __init__(self, store: Any, rank: int, period: float, busy: Callable[[], bool]) -> None:
         super().__init__(name="smpckpt-heartbeat", daemon=True)
         self.store, self.rank, self.period, self.busy = store, rank, period, busy
+        self.conn = _own(store)  # its own connection: a store wait on another thread must not hold beats (rev70c M2)
+        self.said = b""  #: what the store holds for this rank (busy_now() writes too)
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        said = b""
         while not self.stopped.is_set() and dist.is_initialized() and _store() is self.store:
             value = self.next_beat() if self.busy() else IDLE
-            if value != said:
+            if value != self.said:
                 try:  # a store host that is stopped holds this thread only: the watches read with a bound
-                    self.store.set(_KEY.format(self.rank), value)
-                    said = value
+                    self.conn.set(_KEY.format(self.rank), value)
+                    self.said = value
                 except Exception as exc:  # noqa: BLE001 - beats on: a peer must not take a passing error for a hang
                     log.debug("heartbeat: the store refused a beat: %s", exc)
             self.stopped.wait(self.period)
@@ -99,6 +100,16 @@ class Heartbeat(threading.Thread):
                 if thread.period <= period:
                     return
         cls(store, rank, period, busy).start()
+
+
+def _own(store: Any) -> Any:
+    """A connection of its own to ``store``: the TCPStore client serves one request at a time, and a store
+    ``wait`` on the main thread (a late rank at ``new_group``) held the beats behind it: a healthy peer was
+    called silent (rev70c M2)."""
+    try:
+        return store.clone()
+    except Exception:  # noqa: BLE001 - a store that cannot clone (an older torch, a custom store): shared
+        return store
 
 
 def _store() -> Any:
@@ -119,7 +130,9 @@ def busy_now() -> None:
     for thread in threading.enumerate():
         if isinstance(thread, Heartbeat) and not thread.stopped.is_set() and thread.store is _store():
             try:
-                thread.store.set(_KEY.format(thread.rank), thread.next_beat())
+                value = thread.next_beat()
+                thread.conn.set(_KEY.format(thread.rank), value)
+                thread.said = value  # what the store holds now: the thread's next IDLE is written
             except Exception as exc:  # noqa: BLE001 - the heartbeat's next turn writes it
                 log.debug("heartbeat: the store refused a beat: %s", exc)
             return
@@ -131,6 +144,7 @@ class Watch(threading.Thread):
 
     def __init__(self, store: Any, peers: list[int], bound: float, fail: Callable[[str], bool]) -> None:
         super().__init__(name="smpckpt-liveness", daemon=True)
+        store = _own(store)  # as the heartbeat's: never behind another thread's store wait
         self.store, self.peers, self.bound, self.fail = store, peers, bound, fail
         self.done = threading.Event()
         self._reader: threading.Thread | None = None

@@ -266,7 +266,8 @@ def exit_wait_rank(rank: int, root: str, init: str, fail: str) -> None:
 def a_peer_stops_or_is_slow(rank: int, world: int, root: str, mode: str, bound: float) -> dict[str, Any]:
     """fix70c: at the start of its background write of ``b`` one rank stops itself (``stop0``/``stop1``:
     SIGSTOP, a vanished node keeping its connections) or rank 1 sleeps 3x ``bound``, the job's timeout
-    (``slow``: healthy slow I/O). Each rank says what its future did, how long it took and ``newest``; the
+    (``slow``: healthy slow I/O), or rank 0 alone spends 3x ``bound`` after the others' part ended (``idle``:
+    a healthy peer whose part was short, idle since). Each rank says what its future did, how long it took and ``newest``; the
     other rank then lets the stopped one go, waits for its own thread left behind, and says what is
     committed and what its next save said."""
     import smpckpt.api.checkpointer as ck
@@ -287,6 +288,15 @@ def a_peer_stops_or_is_slow(rank: int, world: int, root: str, mode: str, bound: 
         real(*args)
 
     ck.write_checkpoint = held  # type: ignore[assignment]
+    if mode == "idle":  # rank 0 alone applies retention 3x the bound while rank 1's lane is idle (rev70c H1)
+        real_retain = ck.retain
+
+        def slow_retain(*args: Any, **kwargs: Any) -> Any:
+            if rank == 0:
+                time.sleep(3 * bound)
+            return real_retain(*args, **kwargs)
+
+        ck.retain = slow_retain  # type: ignore[assignment]
     with torch.no_grad():
         for p in m.parameters():
             p.add_(1.0)

@@ -414,13 +414,11 @@ def test_a_restart_resuming_by_tag_while_path_is_down_knows_what_its_copy_knew_i
     assert info is not None and (info.tag, info.tier) == ("s2", "fast") and _same(got, model)
 
 
-def test_a_copy_only_due_in_path_is_not_known_there_after_a_resume_by_tag(
+def _s1_drained_s2_due(
     s3_root: tuple[str, dict[str, Any]], tmp_path: Path
-) -> None:
-    """rev70d: job J saved s1 (drained) and s2 (due, never drained: path down) and died; job X resumed s1 from
-    path and saved x2, at s2's number. J restarted, resumed s2 by tag from the fast tier and saved s3 through
-    another outage: the resume took s2's number as known in path, so s3 recorded path_seen 2 and the next
-    tag-less restart loaded s3 over x2 silently. A copy only due is not known there: the histories are refused."""
+) -> tuple[str, Location, Location, str, FastTier]:
+    """s1 saved and drained to path; s2 saved while path is down: due there, never drained. (root, path up, path
+    down, the fast folder, the tier)."""
     root, options = s3_root
     up, down = Location(root, storage_options=options), Location(root, storage_options=_down(options))
     fast = str(tmp_path / "fast")
@@ -431,6 +429,17 @@ def test_a_copy_only_due_in_path_is_not_known_there_after_a_resume_by_tag(
         warnings.simplefilter("ignore")  # path unreachable: said, tested above
         save_checkpoint(down, "s2", model=_linear(2), options=tier)
     wait_for_saves()
+    return root, up, down, fast, tier
+
+
+def test_a_copy_only_due_in_path_is_not_known_there_after_a_resume_by_tag(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """rev70d: job J saved s1 (drained) and s2 (due, never drained: path down) and died; job X resumed s1 from
+    path and saved x2, at s2's number. J restarted, resumed s2 by tag from the fast tier and saved s3 through
+    another outage: the resume took s2's number as known in path, so s3 recorded path_seen 2 and the next
+    tag-less restart loaded s3 over x2 silently. A copy only due is not known there: the histories are refused."""
+    root, up, down, fast, tier = _s1_drained_s2_due(s3_root, tmp_path)
     other = _linear(0)  # job X, without the fast tier
     resume_from_checkpoint(up, model=other)
     assert last_resume_info().tag == "s1"  # type: ignore[union-attr]
@@ -550,16 +559,7 @@ def test_a_due_save_and_another_writers_save_of_its_number_are_refused_whichever
     save_checkpoint of the tag s2 itself (its own Checkpointer). Equal numbers went to the later save time: the
     tag-less restart loaded path's silently and dropped s2 (s2 later: refused as diverged). Refused alike now,
     naming both; tag= chooses (the same tag in both tiers: tag= loads path's, the later save of it)."""
-    root, options = s3_root
-    up, down = Location(root, storage_options=options), Location(root, storage_options=_down(options))
-    fast = str(tmp_path / "fast")
-    tier = FastTier(local_path=fast, replicas=1, num_kept_local=1)
-    save_checkpoint(up, "s1", model=_linear(1), options=tier)
-    wait_for_saves()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # path unreachable: said, tested above
-        save_checkpoint(down, "s2", model=_linear(2), options=tier)
-    wait_for_saves()
+    root, up, down, fast, tier = _s1_drained_s2_due(s3_root, tmp_path)
     if writer == "another job":
         other = _linear(0)
         resume_from_checkpoint(up, model=other)

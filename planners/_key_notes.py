@@ -1,6 +1,7 @@
 """The words of a refused or partial load: what a list of missing or unexpected keys most likely means
 (an LR scheduler's ``initial_lr``, optimizer state saved unflattened, a container saved the other way,
-``module.`` added by a wrapper). Error paths only: nothing here runs on a load that succeeds."""
+``module.`` added by a wrapper), and of a save whose ranks of one stage disagree (:func:`stage_differences`).
+Error paths only: nothing here runs on a load or save that succeeds."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from collections.abc import Container, Iterable, Mapping, Sequence, Set
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan
 
 from smpckpt.model.layout import RESERVED
 from smpckpt.planners._entries import SHOW
 
-__all__ = ["likely_causes", "nesting_mismatches", "module_note", "show_keys"]
+__all__ = ["likely_causes", "nesting_mismatches", "module_note", "show_keys", "stage_differences"]
 
 
 def likely_causes(keys: Sequence[str], saved: Iterable[str], asked: Set[str] = frozenset()) -> str:
@@ -70,3 +72,37 @@ def show_keys(keys: Sequence[str]) -> str:
     """(error path) The first :data:`SHOW` of ``keys``, and how many more."""
     shown = ", ".join(keys[:SHOW])
     return shown + (f", ... ({len(keys) - SHOW} more)" if len(keys) > SHOW else "")
+
+
+def stage_differences(plans: list[SavePlan], ranks: set[int], shown: int = 5) -> str:
+    """(failure path only) The first keys whose global shape or dtype differs between the write plans of
+    ``ranks`` (each written piece carries the global size its rank computed), with their ranks (a
+    replica only its owner writes shows nothing here), and the first keys some of them tie and others
+    do not, or tie to another key (each plan lists its rank's ties)."""
+    views: dict[str, dict[tuple[tuple[int, ...], Any], list[int]]] = {}
+    for plan in plans:
+        rank = plan.planner_data["rank"]
+        for item in plan.items if rank in ranks else ():
+            if item.tensor_data is not None:
+                key = (tuple(item.tensor_data.size), item.tensor_data.properties.dtype)
+                holders = views.setdefault(item.index.fqn, {}).setdefault(key, [])
+                if rank not in holders:
+                    holders.append(rank)
+    lines = []
+    for fqn in sorted(f for f, seen in views.items() if len(seen) > 1)[:shown]:
+        dtypes = len({dtype for _, dtype in views[fqn]}) > 1  # named only where they differ
+        seen = [f"{s}{f' {d}' if dtypes else ''} on ranks {sorted(r)}" for (s, d), r in views[fqn].items()]
+        lines.append(f"'{fqn}': global shape {', '.join(seen)}")
+    ties = {
+        p.planner_data["rank"]: (p.planner_data.get("tied") or {}) for p in plans if p.planner_data["rank"] in ranks
+    }
+    for alias in sorted({a for tied in ties.values() for a in tied})[:shown]:
+        firsts: dict[str | None, list[int]] = {}
+        for rank, tied in sorted(ties.items()):
+            firsts.setdefault(tied.get(alias), []).append(rank)
+        if len(firsts) > 1:  # None: a tensor of its own (an empty piece, which has no address, ties on no rank)
+            seen = [
+                f"tied to {f!r} on ranks {r}" if f else f"a tensor of its own on ranks {r}" for f, r in firsts.items()
+            ]
+            lines.append(f"{alias!r}: {', '.join(sorted(seen, key=lambda s: s.startswith('a ')))}")
+    return f" ({'; '.join(lines)})" if lines else ""

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from smpckpt.errors import ReplicaMismatch
 from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout
 from smpckpt.planners._entries import Entry
+from smpckpt.planners._key_notes import stage_differences
 from smpckpt.planners._value_digests import SAMPLES, value_digests
 
 __all__ = ["SAMPLES", "value_digests", "dtensor_values", "piece_id", "stage_keys", "check_replica_values"]
@@ -416,7 +417,7 @@ def check_replica_digests(layout: ParallelLayout, plans: list[SavePlan]) -> None
         if len(groups) > 1:
             parts = ", ".join(f"ranks {ranks} hold {count} such tensors" for (count, _), ranks in groups.items())
             members = {r for ranks in groups.values() for r in ranks}
-            problems.append(f"stage {stage}: {parts}{_shape_differences(plans, members)}")
+            problems.append(f"stage {stage}: {parts}{stage_differences(plans, members)}")
     if problems:
         raise ReplicaMismatch(
             "ranks of one pipeline stage disagree on their replicated/sharded tensors (keys, dtypes, "
@@ -428,27 +429,6 @@ def check_replica_digests(layout: ParallelLayout, plans: list[SavePlan]) -> None
             "ZeRO rank owning none of a parameter) must still hold its keys: an empty piece (0 in sizes=) "
             "and the 0-d step."
         )
-
-
-def _shape_differences(plans: list[SavePlan], ranks: set[int], shown: int = 5) -> str:
-    """(failure path only) The first keys whose global shape or dtype differs between the write plans of
-    ``ranks`` (each written piece carries the global size its rank computed), with their ranks; a
-    replica only its owner writes shows nothing here."""
-    views: dict[str, dict[tuple[tuple[int, ...], Any], list[int]]] = {}
-    for plan in plans:
-        rank = plan.planner_data["rank"]
-        for item in plan.items if rank in ranks else ():
-            if item.tensor_data is not None:
-                key = (tuple(item.tensor_data.size), item.tensor_data.properties.dtype)
-                holders = views.setdefault(item.index.fqn, {}).setdefault(key, [])
-                if rank not in holders:
-                    holders.append(rank)
-    lines = []
-    for fqn in sorted(f for f, seen in views.items() if len(seen) > 1)[:shown]:
-        dtypes = len({dtype for _, dtype in views[fqn]}) > 1  # named only where they differ
-        seen = [f"{s}{f' {d}' if dtypes else ''} on ranks {sorted(r)}" for (s, d), r in views[fqn].items()]
-        lines.append(f"'{fqn}': global shape {', '.join(seen)}")
-    return f" ({'; '.join(lines)})" if lines else ""
 
 
 def replica_digest(shared: list[Entry], tied: Mapping[str, str]) -> tuple[int, str]:

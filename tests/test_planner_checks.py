@@ -129,7 +129,7 @@ def test_an_empty_tensor_split_unevenly_saves_and_loads():
     strict=True,
     raises=ReplicaMismatch,
     reason="hunt70e, left: a tie is told by memory address, and an empty piece has none, so the rank holding "
-    "nothing of a tied pair reports no tie and the stage's digests differ (a ReplicaMismatch naming no key); "
+    "nothing of a tied pair reports no tie and the stage's digests differ (a ReplicaMismatch naming the key); "
     "a fix needs the tie agreed across the ranks",
 )
 def test_a_tied_pair_split_with_an_empty_piece_saves_and_loads():
@@ -144,6 +144,19 @@ def test_a_tied_pair_split_with_an_empty_piece_saves_and_loads():
     back["head"] = back["emb"]
     load([back], ParallelLayout(), store)
     assert torch.equal(back["emb"], e)
+
+
+def test_a_tie_some_ranks_of_a_stage_hold_and_others_not_is_refused_naming_the_key():
+    """The tied pair above: its refusal named no key ("ranks [0] hold 2 such tensors, ranks [1] hold 2 such
+    tensors"); it names the key tied on some ranks only (fix70h's words, without its tie rule for empty pieces)."""
+    e = torch.arange(6.0).reshape(3, 2)
+    spec = ShardSpec(0, sizes=(0, 3))
+    sds = [{"emb": e[:0].clone(), "head": e[:0].clone()}, {"emb": e.clone(), "head": None}]
+    sds[1]["head"] = sds[1]["emb"]
+    with pytest.raises(
+        ReplicaMismatch, match=r"'head': tied to 'emb' on ranks \[1\], a tensor of its own on ranks \[0\]"
+    ):
+        save(sds, TP2, {"emb": spec, "head": spec})
 
 
 def test_per_rank_tensors_need_rank_local():

@@ -439,6 +439,12 @@ class ArtifactIndex:
         """A committed artifact written without a translation (a model already in Hugging Face names), read
         with ``translation``: its model keys presented under ours, as a Hugging Face folder's are (else the
         translation went unused and our fused keys were "not in the checkpoint")."""
+        try:
+            found = translation.from_artifact(self.shapes.get("model", {}))
+        except ValueError:
+            found = None  # _model_entries's check names what does not fit
+        if found is not None and all(expr == Leaf(k) for k, (expr, _) in found.items()):
+            return  # no rule takes a tensor: already our names (saved from our model), read as they are
         others = sorted({k.partition("/")[0] for k in self.tensors} - {"model"})
         if others:  # optimizer state is keyed by the saved parameters' names: the translation maps model keys only
             raise LayoutMismatch(

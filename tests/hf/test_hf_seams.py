@@ -559,3 +559,18 @@ def test_untranslated_artifact_with_optimizer_state_refuses_a_translation(tmp_pa
             str(tmp_path / "full"), None, partial=False, model=dst, translate_function=mod.TRANSLATION
         )
     assert all(not v.any() for v in dst.state_dict().values())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_untranslated_artifact_in_our_names_reads_as_it_is_with_a_translation(tmp_path: Path, name: str) -> None:
+    """A model in our names saved without a translation holds our keys already: a translate_function taking none
+    of them leaves them as they are (GPT-Neo's our-names MLP keys are GPT-2's HF names: not refused as GPT-2's)."""
+    mod = MODULES[name]
+    want = mod.translate_hf_state_dict_to_smpckpt(tiny_model(name, seed=7, dtype=torch.float32).state_dict())
+    smpckpt.save_checkpoint(str(tmp_path), "ours", partial=False, model=Holder({k: v.clone() for k, v in want.items()}))
+    dst = Holder({k: torch.zeros_like(v) for k, v in want.items()})
+    smpckpt.resume_from_checkpoint(
+        str(tmp_path / "ours"), None, partial=False, model=dst, translate_function=mod.TRANSLATION
+    )
+    got = dst.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

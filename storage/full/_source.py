@@ -386,11 +386,6 @@ class ArtifactIndex:
                     raise CheckpointCorrupt(f"{path}: tensor {e.key!r} appears in two files")
                 self.tensors[f"model/{e.key}"] = StoredTensor(name, e.start, e.dtype, e.shape)
                 art_shapes[e.key] = e.shape
-        if translation is not None:
-            try:  # the wrong family's rules would take nothing and leave its fused tensors unread
-                check_translation(translation, art_shapes, "artifact")
-            except SpecError as exc:
-                raise LayoutMismatch(f"{self.url}: {exc}") from exc
         sdm: dict[str, Any] = {}
         ours = self._model_entries(sdm, art_shapes, translation, prefix)
         ties = hf_folder_ties(self.fs, self.path, art_shapes, translation)

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError
 from smpckpt.hf import check_translation
-from smpckpt.model.layout import MERGED_KEY, TIED_KEY
+from smpckpt.model.layout import MERGED_KEY, METADATA_KEY, TIED_KEY
 from smpckpt.model.translation import Cat, Expr, Leaf, Translation
 from smpckpt.storage.backends._fs import join, read_bytes_or_none, translate_errors
 from smpckpt.storage.format._checksum import hash_bytes
@@ -386,23 +386,8 @@ class ArtifactIndex:
                     raise CheckpointCorrupt(f"{path}: tensor {e.key!r} appears in two files")
                 self.tensors[f"model/{e.key}"] = StoredTensor(name, e.start, e.dtype, e.shape)
                 art_shapes[e.key] = e.shape
-        if translation is not None:
-            try:  # the wrong family's rules would take nothing and leave its fused tensors unread
-                check_translation(translation, art_shapes, "artifact")
-            except SpecError as exc:
-                raise LayoutMismatch(f"{self.url}: {exc}") from exc
-            ours = {k: (expr, tuple(shape)) for k, (expr, shape) in translation.from_artifact(art_shapes).items()}
-        else:
-            ours = {k: (Leaf(k), s) for k, s in art_shapes.items()}
         sdm: dict[str, Any] = {}
-        for key, (expr, shape) in ours.items():
-            fqn = prefix + key
-            self.exprs[fqn] = ("model", expr)
-            dtype = self.tensors[f"model/{leaf_keys(expr)[0]}"].dtype
-            tsize = torch.Size(shape)
-            sdm[fqn] = TensorStorageMetadata(
-                TensorProperties(dtype=dtype), tsize, [ChunkStorageMetadata(torch.Size([0] * len(shape)), tsize)]
-            )
+        ours = self._model_entries(sdm, art_shapes, translation, prefix)
         ties = hf_folder_ties(self.fs, self.path, art_shapes, translation)
         data: dict[str, Any] = (
             {TIED_KEY: {prefix + head: prefix + embed for head, embed in ties.items()}} if ties else {}
@@ -412,6 +397,71 @@ class ArtifactIndex:
             if merged:
                 data[MERGED_KEY] = {prefix + k: list(s) for k, s in merged.items()}
         return Metadata(state_dict_metadata=sdm, storage_data={}, storage_meta=StorageMeta(), planner_data=data)
+
+    def _model_entries(
+        self,
+        sdm: dict[str, Any],
+        art_shapes: Mapping[str, tuple[int, ...]],
+        translation: Translation | None,
+        prefix: str,
+    ) -> dict[str, tuple[Expr, tuple[int, ...]]]:
+        """Our keys (``translation`` applied to the artifact's ``model`` keys) into ``self.exprs`` and ``sdm``."""
+        if translation is not None:
+            try:  # the wrong family's rules would take nothing and leave its fused tensors unread
+                check_translation(translation, art_shapes, "artifact")
+            except SpecError as exc:
+                raise LayoutMismatch(f"{self.url}: {exc}") from exc
+            ours = {k: (expr, tuple(shape)) for k, (expr, shape) in translation.from_artifact(art_shapes).items()}
+        else:
+            ours = {k: (Leaf(k), s) for k, s in art_shapes.items()}
+        for key, (expr, shape) in ours.items():
+            fqn = prefix + key
+            self.exprs[fqn] = ("model", expr)
+            dtype = self.tensors[f"model/{leaf_keys(expr)[0]}"].dtype
+            tsize = torch.Size(shape)
+            sdm[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=dtype), tsize, [ChunkStorageMetadata(torch.Size([0] * len(shape)), tsize)]
+            )
+        return ours
+
+    def untranslated(self, prefix: str) -> bool:
+        """Whether the artifact's model keys are its stored tensors as they are, under ``prefix`` (written
+        without a translation, whatever wrote it: the API, consolidate or a FullArtifactWriter)."""
+        model = [(fqn, expr) for fqn, (art, expr) in self.exprs.items() if art == "model"]
+        return bool(model) and all(fqn.startswith(prefix) and expr == Leaf(fqn[len(prefix) :]) for fqn, expr in model)
+
+    def translate_untranslated(self, metadata: Metadata, translation: Translation, prefix: str) -> None:
+        """A committed artifact written without a translation (a model already in Hugging Face names), read
+        with ``translation``: its model keys presented under ours, as a Hugging Face folder's are (else the
+        translation went unused and our fused keys were "not in the checkpoint")."""
+        try:
+            found = translation.from_artifact(self.shapes.get("model", {}))
+        except ValueError:
+            found = None  # _model_entries's check names what does not fit
+        if found is not None and all(expr == Leaf(k) for k, (expr, _) in found.items()):
+            return  # no rule takes a tensor: already our names (saved from our model), read as they are
+        others = sorted({k.partition("/")[0] for k in self.tensors} - {"model"})
+        if others:  # optimizer state is keyed by the saved parameters' names: the translation maps model keys only
+            raise LayoutMismatch(
+                f"{self.url}: written without a translate_function and holding {', '.join(others)} state, which a "
+                f"translate_function ({translation.name}) cannot rename; resume it without translate_function "
+                "into a model in the artifact's names, or export it without include_optimizer"
+            )
+        data = dict(metadata.planner_data) if isinstance(metadata.planner_data, dict) else {}
+        for fqn in [f for f, (art, _) in self.exprs.items() if art == "model"]:
+            del self.exprs[fqn]
+            metadata.state_dict_metadata.pop(fqn, None)
+            data.pop(fqn, None)
+        ours = self._model_entries(metadata.state_dict_metadata, self.shapes.get("model", {}), translation, prefix)
+        data.update({prefix + k: ("model", k) for k in ours})
+        merged = translation.merged_shapes({k: s for k, (_, s) in ours.items()})
+        record = data.get(METADATA_KEY)
+        if merged and isinstance(record, Mapping):  # the record's shapes before a view are what planners read
+            shapes = {**record.get("original_shapes", {}), **{prefix + k: list(s) for k, s in merged.items()}}
+            data[METADATA_KEY] = {**record, "original_shapes": shapes}
+        elif merged:
+            data[MERGED_KEY] = {prefix + k: list(s) for k, s in merged.items()}
+        metadata.planner_data = data
 
 
 #: a config.json larger than this is not read for its ties (real ones are a few KiB)

@@ -324,6 +324,8 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         else:
             metadata, _ = self._committed_metadata(found.manifest)
             self.source.from_description(metadata, {f.name: f for f in found.manifest.files})
+            if self.translation is not None and self.source.untranslated(self.hf_prefix):
+                self.source.translate_untranslated(metadata, self.translation, self.hf_prefix)
         # every tensor is one whole row-major block: a planner may read it in another shape of its size
         data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         metadata.planner_data = {**data, _names.WHOLE_TENSORS: True}

@@ -170,6 +170,13 @@ def one_family(rank: int, name: str, root: str, hf_dir: str) -> dict[str, Any]:
     loaded = Holder({k: torch.full_like(v, -3.0) for k, v in mine.items()})
     smpckpt.resume_from_checkpoint(hf_dir, partial=False, model=loaded, translate_function=mod.TRANSLATION, **common)
     out["hf_folder_into_tp2"] = _same(dict(loaded.named_parameters()), mine)
+    # our own artifact of the HF model (HF names, no translation; replicated over both ranks) -> TP=2 the same way
+    smpckpt.save_checkpoint(root, f"{name}-hfnames", partial=False, model=model, hf_config=model.config)
+    loaded = Holder({k: torch.full_like(v, -3.0) for k, v in mine.items()})
+    smpckpt.resume_from_checkpoint(
+        root, f"{name}-hfnames", partial=False, model=loaded, translate_function=mod.TRANSLATION, **common
+    )
+    out["hf_names_artifact_into_tp2"] = _same(dict(loaded.named_parameters()), mine)
     out["tie_mismatch"] = tie_mismatch(rank, name, f"{hf_dir}-untied")
     out["wrong_translation"] = wrong_translation(rank, name, root, hf_dir, holder, specs)
 

@@ -44,6 +44,7 @@ def test_family_end_to_end(results: list[dict], name: str) -> None:
         got = per_rank[name]
         assert got["partial_round_trip"] == [], f"rank {rank}: partial checkpoint round trip differs"
         assert got["hf_folder_into_tp2"] == [], f"rank {rank}: HF folder landed wrong in TP=2"
+        assert got["hf_names_artifact_into_tp2"] == [], f"rank {rank}: our HF-names artifact landed wrong in TP=2"
     got = results[0][name]
     for artifact in (f"{name}-full", f"{name}-offline"):
         assert got[f"{artifact}:class"] == mod.TRANSLATION.architecture  # config.json's architectures

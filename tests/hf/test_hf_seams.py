@@ -517,3 +517,60 @@ def test_adapter_state_under_a_module_the_target_lacks_is_refused_as_adapter_sta
         rf"merge or strip adapters/quantisation state before {where}",
     ):
         check_translation(MODULES[name].TRANSLATION, shapes, side)
+
+
+# -- an artifact of ours in Hugging Face names imports as a save_pretrained folder does --------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_untranslated_hf_names_artifact_resumes_into_our_names_as_save_pretrained(tmp_path: Path, name: str) -> None:
+    """A model already in HF names saved full without a translation (online, and consolidated offline) and
+    resumed with the family's translate_function loads what its save_pretrained folder loads, bit-exact (the
+    translation went unused on a committed artifact: our fused keys were "not in the checkpoint")."""
+    mod = MODULES[name]
+    hf = tiny_model(name, seed=7, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "sp")
+    root = str(tmp_path / "run")
+    smpckpt.save_checkpoint(root, "full", partial=False, model=hf, hf_config=hf.config)
+    smpckpt.save_checkpoint(root, "part", model=hf, save_rng=False)
+    smpckpt.consolidate_checkpoint(os.path.join(root, "part"), tmp_path / "off", hf_config=hf.config, progress=False)
+    want = mod.translate_hf_state_dict_to_smpckpt(hf.state_dict())
+    for folder in (tmp_path / "sp", os.path.join(root, "full"), tmp_path / "off"):
+        dst = Holder({k: torch.zeros_like(v) for k, v in want.items()})
+        smpckpt.resume_from_checkpoint(str(folder), None, partial=False, model=dst, translate_function=mod.TRANSLATION)
+        got = dst.state_dict()
+        assert set(got) == set(want), folder
+        assert all(torch.equal(got[k], want[k]) for k in want), (
+            folder,
+            [k for k in want if not torch.equal(got[k], want[k])],
+        )
+
+
+def test_untranslated_artifact_with_optimizer_state_refuses_a_translation(tmp_path: Path) -> None:
+    """Optimizer state keyed by HF names cannot be renamed by a translation: refused by name, model untouched."""
+    mod = MODULES["llama"]
+    hf = tiny_model("llama", seed=7, dtype=torch.float32)
+    opt = torch.optim.Adam(hf.parameters())
+    sum(p.sum() for p in hf.parameters()).backward()
+    opt.step()
+    smpckpt.save_checkpoint(str(tmp_path), "full", partial=False, model=hf, optimizer=opt, include_optimizer=True)
+    want = mod.translate_hf_state_dict_to_smpckpt(hf.state_dict())
+    dst = Holder({k: torch.zeros_like(v) for k, v in want.items()})
+    with pytest.raises(smpckpt.errors.LayoutMismatch, match="holding optimizer state.*cannot rename"):
+        smpckpt.resume_from_checkpoint(
+            str(tmp_path / "full"), None, partial=False, model=dst, translate_function=mod.TRANSLATION
+        )
+    assert all(not v.any() for v in dst.state_dict().values())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_untranslated_artifact_in_our_names_reads_as_it_is_with_a_translation(tmp_path: Path, name: str) -> None:
+    """A model in our names saved without a translation holds our keys already: a translate_function taking none
+    of them leaves them as they are (GPT-Neo's our-names MLP keys are GPT-2's HF names: not refused as GPT-2's)."""
+    mod = MODULES[name]
+    want = mod.translate_hf_state_dict_to_smpckpt(tiny_model(name, seed=7, dtype=torch.float32).state_dict())
+    smpckpt.save_checkpoint(str(tmp_path), "ours", partial=False, model=Holder({k: v.clone() for k, v in want.items()}))
+    dst = Holder({k: torch.zeros_like(v) for k, v in want.items()})
+    smpckpt.resume_from_checkpoint(
+        str(tmp_path / "ours"), None, partial=False, model=dst, translate_function=mod.TRANSLATION
+    )
+    got = dst.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

@@ -75,19 +75,24 @@ class Heartbeat(threading.Thread):
     def __init__(self, store: Any, rank: int, period: float, busy: Callable[[], bool]) -> None:
         super().__init__(name="smpckpt-heartbeat", daemon=True)
         self.store, self.rank, self.period, self.busy = store, rank, period, busy
-        self.conn = _own(store)  # its own connection: a store wait on another thread must not hold beats (rev70c M2)
-        self.said = b""  #: what the store holds for this rank (busy_now() writes too)
+        #: its own connection, made on this thread (a clone waits past the store's timeout on a stopped host:
+        #: never on a caller's thread, rev70g): a store wait on another thread must not hold beats (rev70c M2)
+        self.conn: Any = None
+        self.said = b""  #: what the store holds for this rank (busy_now() writes too, under ``lock``)
+        self.lock = threading.Lock()  # the write and ``said`` together: else a stale beat stayed (rev70g M)
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        self.conn = _own(self.store)
         while not self.stopped.is_set() and dist.is_initialized() and _store() is self.store:
-            value = self.next_beat() if self.busy() else IDLE
-            if value != self.said:
-                try:  # a store host that is stopped holds this thread only: the watches read with a bound
-                    self.conn.set(_KEY.format(self.rank), value)
-                    self.said = value
-                except Exception as exc:  # noqa: BLE001 - beats on: a peer must not take a passing error for a hang
-                    log.debug("heartbeat: the store refused a beat: %s", exc)
+            with self.lock:  # a store host that is stopped holds this thread (and busy_now) only: watches are bounded
+                value = self.next_beat() if self.busy() else IDLE
+                if value != self.said:
+                    try:
+                        self.conn.set(_KEY.format(self.rank), value)
+                        self.said = value
+                    except Exception as exc:  # noqa: BLE001 - beats on: a passing error is no hang to a peer
+                        log.debug("heartbeat: the store refused a beat: %s", exc)
             self.stopped.wait(self.period)
 
     def next_beat(self) -> bytes:
@@ -129,12 +134,13 @@ def busy_now() -> None:
     a process stopped right after would otherwise stay idle, never hung, to its peers."""
     for thread in threading.enumerate():
         if isinstance(thread, Heartbeat) and not thread.stopped.is_set() and thread.store is _store():
-            try:
-                value = thread.next_beat()
-                thread.conn.set(_KEY.format(thread.rank), value)
-                thread.said = value  # what the store holds now: the thread's next IDLE is written
-            except Exception as exc:  # noqa: BLE001 - the heartbeat's next turn writes it
-                log.debug("heartbeat: the store refused a beat: %s", exc)
+            with thread.lock:
+                try:
+                    value = thread.next_beat()
+                    (thread.conn or thread.store).set(_KEY.format(thread.rank), value)
+                    thread.said = value  # what the store holds now: the thread's next IDLE is written
+                except Exception as exc:  # noqa: BLE001 - the heartbeat's next turn writes it
+                    log.debug("heartbeat: the store refused a beat: %s", exc)
             return
 
 
@@ -144,19 +150,22 @@ class Watch(threading.Thread):
 
     def __init__(self, store: Any, peers: list[int], bound: float, fail: Callable[[str], bool]) -> None:
         super().__init__(name="smpckpt-liveness", daemon=True)
-        store = _own(store)  # as the heartbeat's: never behind another thread's store wait
         self.store, self.peers, self.bound, self.fail = store, peers, bound, fail
         self.done = threading.Event()
         self._reader: threading.Thread | None = None
         self._read: list[bytes | None] | None = None
+        self._conn: Any = None  # a store connection of its own, as the heartbeat's (never behind a store wait)
 
     def _read_beats(self) -> None:
         keys = [_KEY.format(r) for r in self.peers]
         try:
-            if self.store.check(keys):
-                self._read = list(self.store.multi_get(keys))
+            if self._conn is None:  # made here, on the bounded reader: a clone waits on a stopped host (rev70g)
+                self._conn = _own(self.store)
+            store = self._conn
+            if store.check(keys):
+                self._read = list(store.multi_get(keys))
             else:  # a peer that has not beaten yet (get would wait for its key): read the others one by one
-                self._read = [self.store.get(k) if self.store.check([k]) else None for k in keys]
+                self._read = [store.get(k) if store.check([k]) else None for k in keys]
         except Exception as exc:  # noqa: BLE001 - no answer (the store's own timeout): counted as silence
             log.debug("liveness: the store did not answer: %s", exc)
 

@@ -36,3 +36,25 @@ def holder(tensors: dict[str, torch.Tensor]) -> nn.Module:
             mod = getattr(mod, part)
         mod.register_parameter(leaf, nn.Parameter(t))
     return root
+
+
+def stale_adam(ref: dict[str, torch.Tensor]) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    """A :func:`holder` of ``ref``'s parameters (its ``weight``/``bias`` keys) at zero with Adam state of other
+    values (one step): a resume must replace all of it. Returns the model, its optimizer and those parameters."""
+    params = {k: v for k, v in ref.items() if k.rsplit(".", 1)[1] in ("weight", "bias")}
+    model = holder({k: torch.zeros_like(v) for k, v in params.items()})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return model, opt, params
+
+
+def assert_adam_resumed(model: nn.Module, opt: torch.optim.Optimizer, ref: dict[str, torch.Tensor]) -> None:
+    """Every parameter and its Adam state equal ``ref``'s (``name`` and ``name.exp_avg`` ...), bit-exact and dtype."""
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), ref[name]), name
+        state = opt.state[p]
+        assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"], name
+        for k, v in state.items():
+            assert v.dtype == ref[f"{name}.{k}"].dtype and torch.equal(v, ref[f"{name}.{k}"]), f"{name}.{k}"

@@ -10,8 +10,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import torch
-from golden_model import holder
+from golden_model import assert_adam_resumed, stale_adam
 from safetensors.torch import load_file
 
 import smpckpt
@@ -26,19 +25,9 @@ def test_old_hf_export_with_optimizer_keyed_by_our_names_resumes_bit_exact(tmp_p
     ref = load_file(str(root / "reference.safetensors"))
     assert "transformer.h.0.attn.qkv.weight.exp_avg" in load_file(str(root / "export" / "optimizer.safetensors"))
     assert "transformer.h.0.attn.c_attn.weight" in load_file(str(root / "export" / "model.safetensors"))
-    params = {k: v for k, v in ref.items() if k.rsplit(".", 1)[1] in ("weight", "bias")}
-    model = holder({k: torch.zeros_like(v) for k, v in params.items()})
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for p in model.parameters():  # live state of other values: the resume must replace it
-        p.grad = torch.ones_like(p)
-    opt.step()
+    model, opt, params = stale_adam(ref)
     smpckpt.resume_from_checkpoint(
         str(root), "export", partial=False, model=model, optimizer=opt, translate_function=gpt2.TRANSLATION
     )
-    for name, p in model.named_parameters():
-        assert torch.equal(p.detach(), ref[name]), name
-        state = opt.state[p]
-        assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"], name
-        for k, v in state.items():
-            assert v.dtype == ref[f"{name}.{k}"].dtype and torch.equal(v, ref[f"{name}.{k}"]), f"{name}.{k}"
+    assert_adam_resumed(model, opt, ref)
     assert len(params) == len(list(model.parameters())) == 16

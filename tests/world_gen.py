@@ -232,3 +232,27 @@ def flat_tensors(sd: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` comparable by ``torch.equal``: a one-byte float (fp8, which ``torch.equal`` does not compare) as bytes."""
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.dtype.itemsize == 1 else t
+
+
+def assert_ranks_equal(
+    model: Model, values: dict[str, torch.Tensor], layout: ParallelLayout, parts: Any, loaded: list[dict[str, Any]]
+) -> None:
+    """Every rank's ``loaded`` state is :func:`rank_state` of ``values`` under ``layout``: same keys, dtypes and
+    shapes, tensors bit-exact, objects equal."""
+    for rank, sd in enumerate(loaded):
+        expected = flat_tensors(rank_state(model, values, layout, rank, parts))
+        got = flat_tensors(sd)
+        assert expected.keys() == got.keys(), rank
+        for key, want in expected.items():
+            have = got[key]
+            if isinstance(want, torch.Tensor):
+                assert have.dtype == want.dtype and have.shape == want.shape, (rank, key)
+                assert torch.equal(bits(have), bits(want)), f"rank {rank} {key}: {have} != {want}"
+            else:
+                assert type(have) is type(want) and have == want, (rank, key, have)

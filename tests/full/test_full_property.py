@@ -29,6 +29,7 @@ from sim import reset_dcp_caches, sim_load, sim_save
 from world_gen import (
     Model,
     TensorDef,
+    assert_ranks_equal,
     draw_partition,
     flat_tensors,
     global_keys,
@@ -154,22 +155,6 @@ def load_full(
     readers = [FsspecStorageReader(folder, request_cost_bytes=request_cost_bytes) for _ in range(world)]
     sim_load(blanks, planners, readers)
     return blanks, readers
-
-
-def assert_ranks_equal(
-    model: Model, values: dict[str, torch.Tensor], layout: ParallelLayout, parts: Any, loaded: list[dict[str, Any]]
-) -> None:
-    for rank, sd in enumerate(loaded):
-        expected = flat_tensors(rank_state(model, values, layout, rank, parts))
-        got = flat_tensors(sd)
-        assert expected.keys() == got.keys()
-        for key, want in expected.items():
-            have = got[key]
-            if isinstance(want, torch.Tensor):
-                assert have.dtype == want.dtype and have.shape == want.shape, (rank, key)
-                assert torch.equal(have, want), f"rank {rank} {key}: {have} != {want}"
-            else:
-                assert type(have) is type(want) and have == want, (rank, key, have)
 
 
 def tensor_bytes(sd: Mapping[str, Any]) -> int:

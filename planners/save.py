@@ -348,7 +348,9 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             return hit
 
         # Tensor.nbytes: numel x itemsize, in one call (a view's, not its storage's)
-        replicated = [(e.key, 0 if e.key in tied else int(e.value.nbytes), e.sharded_axes) for e in replicas]
+        replicated = [(e.key, int(e.value.nbytes), e.sharded_axes) for e in replicas]
+        if tied:  # a tied key (split: kept on the lists) writes nothing, its first key's bytes: weighs nothing
+            replicated = [(k, 0, a) if k in tied else (k, n, a) for k, n, a in replicated]
         owners = assign_owners(self.layout, self.rank, replicated, lowest_rank=self.replica_owner == "lowest")
         items: list[WriteItem] = []
         properties: dict[tuple[Any, ...], TensorProperties] = {}

@@ -29,6 +29,7 @@ from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSp
 from smpckpt.storage.format._safe_pickle import ViewFile, decode_object, encode_object
 
 __all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "tied_entries", "carries_no_data"]
+__all__ += ["saved_ties"]
 __all__ += ["encode_object", "decode_object", "read_object"]  # the codec: _safe_pickle
 
 SHOW = 20  #: keys an error message names at most
@@ -504,6 +505,17 @@ def dtensor_is_owner(entry: Entry) -> bool:
             index = index * size + coordinate[dim]
             count *= size
     return index == zlib.crc32(entry.key.encode()) % count
+
+
+def saved_ties(entries: Mapping[str, Entry]) -> dict[str, str]:
+    """The ties a save writes once (:func:`tied_entries`), less a key not split tied to a split key's piece
+    (an uneven split with every row on one rank: that rank's piece is the whole tensor). The ranks whose
+    piece is empty hold that key with values as a tensor of their own and cannot tell the tie, so the ranks
+    would plan its writer and check its values differently: saved as held apart (written once, by the
+    owner of its replicas), as the same pair in the other key order (the split key tied to the other) saves
+    tied: a tie is split when either key is, and both orders save and load bit-exact (rev71a L1)."""
+    tied = tied_entries(entries)
+    return {a: f for a, f in tied.items() if entries[a].sharded_axes or not entries[f].sharded_axes}
 
 
 def gather_ties(plans: list[SavePlan]) -> dict[str, str]:

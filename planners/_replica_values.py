@@ -445,7 +445,9 @@ def replica_digest(shared: list[Entry], tied: Mapping[str, str]) -> tuple[int, s
     tensor (``shared``) and of the ties of keys not split, sorted by key: ranks of a stage whose digests
     differ would disagree on who writes what, silently losing data. A key split over TP or DP may be an
     empty piece on some ranks (an uneven split), which shows no tie: its ties are agreed by the ranks
-    holding its values (:func:`check_tie_groups`)."""
+    holding its values (:func:`check_tie_groups`). A tie is split when either key is: a key not split tied to
+    a split one's piece is no tie a save keeps (``_entries.saved_ties``), so a tie here whose key is not
+    split has a first key not split either."""
     rows = [(e.key, e.value.dtype, e.global_shape, e.sharded_axes) for e in shared]
     rows.sort()  # by key: keys are unique, so the other fields are never compared
     # one "key|dtype|shape|axes" line per tensor; the tail is shared by many keys, so format it once

@@ -55,7 +55,7 @@ from smpckpt.planners._entries import (
     dtensor_is_owner,
     encode_object,
     gather_ties,
-    tied_entries,
+    saved_ties,
 )
 from smpckpt.planners._replica_values import (
     RANK_WAY,
@@ -313,7 +313,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
                 f"{self.held_split[0]}: held_by_some saves it whole, but a spec rule matches it too: narrow a glob "
                 "meant for other layers; hold a TP-split expert as a DTensor (saved by its pieces) or stack them"
             )
-        self.tied = tied_entries(self.entries) if self.dedup_tied else {}
+        self.tied = saved_ties(self.entries) if self.dedup_tied else {}
         self.state_dict = state_dict
         self.dtensors = self.dtensor_layout(state_dict.get(RESERVED.model))
         self.is_coordinator = is_coordinator
@@ -384,10 +384,11 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             "mappings": mappings,
             "original_shapes": original,
             "tied": dict(self.tied),
-            "tie_axes": {a: sorted(self.entries[a].sharded_axes) for a in tied if self.entries[a].sharded_axes},
             "dtensors": self.dtensors,
             **fresh,
         }
+        if axes := {a: sorted(self.entries[a].sharded_axes) for a in tied if self.entries[a].sharded_axes}:
+            planner_data["tie_axes"] = axes  # split ties only: readers take .get("tie_axes") or ()
         coords = self.layout.coords(self.rank)
         if fresh["values"] is not None and coords.tp == 0 and coords.dp == 0:  # one key list per stage
             planner_data["value_keys"] = (tuple(e.key for e in checked), codes)

@@ -236,6 +236,91 @@ def test_a_tie_ranks_holding_values_disagree_on_is_refused_naming_the_key():
         save(sds, layout, {"emb": spec, "head": spec}, verify_replicas=False)
 
 
+def test_a_split_tied_pair_keeps_the_replica_value_checks_aligned():
+    """tp=2, dp=2, a tied pair split over TP with TP rank 0 empty (tied on ranks 1 and 3 only), a replicated
+    ``w`` and a TP-split ``z``. The split tied key stays on every rank's value-check lists (fix71a): dropped
+    from them on the ranks tying it only, the lists of the ranks differed and a DP replica (rank 3) drifted
+    on ``w`` or ``z`` saved in silence (rev71a M1). Each drift is refused, naming the ranks."""
+    layout, spec = ParallelLayout(tp=2, dp=2), ShardSpec(0, "tp", sizes=(0, 3))
+    specs = {"emb": spec, "head": spec, "z": ShardSpec(0, "tp")}
+
+    def world(drift=None):
+        sds = [
+            _tied_pairs((0, 3))[r % 2] | {"w": torch.arange(8.0), "z": torch.arange(2.0) + 10 * (r % 2)}
+            for r in range(4)
+        ]
+        if drift:
+            sds[3][drift] = sds[3][drift] + 1
+        return sds
+
+    store, _ = save(world(), layout, specs)
+    assert {i.fqn for i in store.chunks} == {"emb", "w", "z"}
+    for drift, where in (
+        ("w", r"ranks 0 and 3 hold different values"),
+        ("z", r"ranks 1 and 3 hold different values of 'z'"),
+    ):
+        reset_dcp_caches()
+        with pytest.raises(ReplicaMismatch, match=where):
+            save(world(drift), layout, specs)
+
+
+def test_a_split_tied_key_weighs_nothing_in_its_replica_groups_owner_choice():
+    """tp=2, dp=2, a pair tied on every rank and split over TP (rows 1 and 2), and a TP-split ``z``: the tied
+    key writes nothing (its bytes are its first key's), so it weighs nothing when each piece's DP replicas
+    share the writes (fix71a): ``emb`` on DP rank 0 of each piece, ``z`` on DP rank 1 (weighed at its bytes,
+    ``head`` took DP rank 1's turn and ``z`` went to DP rank 0 too). Plans list only split ties' axes."""
+    layout, spec = ParallelLayout(tp=2, dp=2), ShardSpec(0, "tp", sizes=(1, 2))
+    specs = {"emb": spec, "head": spec, "z": ShardSpec(0, "tp")}
+    sds = [_tied_pairs((1, 2))[r % 2] | {"z": torch.arange(4.0)[2 * (r % 2) :][:2].clone()} for r in range(4)]
+    writes = []
+    for rank, sd in enumerate(sds):
+        planner = ParallelSavePlanner(layout, specs, rank=rank)
+        planner.set_up_planner(sd, is_coordinator=rank == 0)
+        plan = planner.create_local_plan()
+        writes.append(sorted(i.index.fqn for i in plan.items))
+        assert plan.planner_data["tied"] == {"head": "emb"} and plan.planner_data["tie_axes"] == {"head": ["tp"]}
+    assert writes == [["emb"], ["emb"], ["z"], ["z"]]
+    untied = ParallelSavePlanner(TP2, rank=0)
+    untied.set_up_planner(tp_state(0), is_coordinator=True)
+    assert "tie_axes" not in untied.create_local_plan().planner_data  # sent only when a split key is tied
+
+
+@pytest.mark.parametrize("order", [("emb", "head"), ("head", "emb")])
+def test_a_pair_tied_where_only_one_key_is_split_saves_alike_in_either_key_order(order):
+    """TP=2: ``emb`` split with every row on TP rank 1 (``sizes=(0, 3)``), ``head`` held whole on both ranks,
+    and on rank 1 the same tensor as ``emb`` (its piece is the whole). Rank 0 holds the head as a tensor of its
+    own and an empty ``emb``: it cannot tell the tie. Tied to the split ``emb`` (order emb, head) the head's tie
+    entered the stage's digest and the save was refused; tied the other way it saved (rev71a L1). A tie is
+    split when either key is: both orders save, and load bit-exact into the same layout and whole (tied, or
+    held apart). Rank 0's head must still equal rank 1's: one with other values is refused."""
+    e = torch.arange(6.0).reshape(3, 2)
+    specs = {"emb": ShardSpec(0, sizes=(0, 3))}
+
+    def world(head0):
+        sds = []
+        for rows in (0, 3):
+            emb = e[:rows].clone()
+            held = {"emb": emb, "head": emb if rows else head0}
+            sds.append({k: held[k] for k in order})
+        return sds
+
+    store, planners = save(world(e.clone()), TP2, specs)
+    assert [p.tied for p in planners] == [{}, {"emb": "head"} if order[0] == "head" else {}]
+    backs = world(torch.full((3, 2), -1.0))  # rank 1 tied again
+    backs[1]["emb"].fill_(-1.0)
+    load(backs, TP2, store, specs)
+    assert torch.equal(backs[1]["emb"], e) and all(torch.equal(b["head"], e) for b in backs)
+    assert backs[1]["head"] is backs[1]["emb"]
+    for tied in (True, False):
+        back = {"emb": torch.zeros(3, 2)}
+        back["head"] = back["emb"] if tied else torch.zeros(3, 2)
+        load([back], ParallelLayout(), store)
+        assert torch.equal(back["emb"], e) and torch.equal(back["head"], e)
+    reset_dcp_caches()
+    with pytest.raises(ReplicaMismatch, match=r"ranks 0 and 1 hold different values"):
+        save(world(-e), TP2, specs)
+
+
 def test_async_staging_leaves_empty_pieces_untied_and_saves_as_a_synchronous_save():
     """Staging copies an empty tensor into a buffer of its own (no address to share), as the planners tie no
     empty piece: a tied pair's empty piece and a flat partition's empty views stage apart; staged, the pair

@@ -28,7 +28,8 @@ from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 from smpckpt.storage.format._safe_pickle import ViewFile, decode_object, encode_object
 
-__all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "tied_entries"]
+__all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "tied_entries", "carries_no_data"]
+__all__ += ["saved_ties"]
 __all__ += ["encode_object", "decode_object", "read_object"]  # the codec: _safe_pickle
 
 SHOW = 20  #: keys an error message names at most
@@ -171,13 +172,24 @@ def set_at_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
             container = container[part]
 
 
+def carries_no_data(entry: Entry) -> bool:
+    """A piece empty along a dim the global tensor is not (an uneven split's) is not written: its offset can
+    be a neighbour's chunk's. An empty *global* tensor's other pieces are, so its key and shape are."""
+    chunk, shape = entry.chunk, entry.global_shape
+    if chunk is None or shape is None:
+        return False
+    return any(n == 0 and g != 0 for n, g in zip(chunk.sizes, shape))  # extents are never negative
+
+
 def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
     """Keys whose tensor is one held under an earlier key (tied parameters: transformers ties
     ``lm_head.weight`` to the input embedding): later key -> first key, in state-dict order. Tied means
     the same memory seen the same way (device, address, shape, strides, dtype) at the same place of the
     same global tensor; a DTensor ties by its local tensor under the same placements on the same mesh.
     Only tensors with storage tie (meta, empty and Zero tensors all report address 0); a conjugate or
-    negated view (``c.conj()``, ``c.conj().imag``) shows other values than its memory's: never tied to it."""
+    negated view (``c.conj()``, ``c.conj().imag``) shows other values than its memory's: never tied to it.
+    An empty piece of a split pair (a rank holding none of an uneven split) shows no tie and denies none:
+    the ranks holding its values decide (``check_tie_groups``, :func:`gather_ties`)."""
     # Tied tensors share an address: only entries whose address another entry has too (few or none)
     # are compared in full; the usual untied state pays one ``data_ptr()`` per tensor.
     at: dict[int, Entry | list[Entry]] = {}
@@ -495,9 +507,22 @@ def dtensor_is_owner(entry: Entry) -> bool:
     return index == zlib.crc32(entry.key.encode()) % count
 
 
+def saved_ties(entries: Mapping[str, Entry]) -> dict[str, str]:
+    """The ties a save writes once (:func:`tied_entries`), less a key not split tied to a split key's piece
+    (an uneven split with every row on one rank: that rank's piece is the whole tensor). The ranks whose
+    piece is empty hold that key with values as a tensor of their own and cannot tell the tie, so the ranks
+    would plan its writer and check its values differently: saved as held apart (written once, by the
+    owner of its replicas), as the same pair in the other key order (the split key tied to the other) saves
+    tied: a tie is split when either key is, and both orders save and load bit-exact (rev71a L1)."""
+    tied = tied_entries(entries)
+    return {a: f for a, f in tied.items() if entries[a].sharded_axes or not entries[f].sharded_axes}
+
+
 def gather_ties(plans: list[SavePlan]) -> dict[str, str]:
     """(coordinator) Every rank's tied keys, checked: a key is tied to one key by every rank that ties it,
-    and no rank writes bytes of its own under a key another rank ties (missing from its other pieces)."""
+    and no rank writes bytes of its own under a key another rank ties (missing from its other pieces). A
+    rank holding an empty piece of a split key ties nothing there and writes nothing: the ranks holding
+    values of it decide its tie (those of one piece alike: ``check_tie_groups``)."""
     tied: dict[str, tuple[str, int]] = {}
     for i, plan in enumerate(plans):
         for alias, first in ((plan.planner_data or {}).get("tied") or {}).items():

@@ -77,8 +77,8 @@ def show_keys(keys: Sequence[str]) -> str:
 def stage_differences(plans: list[SavePlan], ranks: set[int], shown: int = 5) -> str:
     """(failure path only) The first keys whose global shape or dtype differs between the write plans of
     ``ranks`` (each written piece carries the global size its rank computed), with their ranks (a
-    replica only its owner writes shows nothing here), and the first keys some of them tie and others
-    do not, or tie to another key (each plan lists its rank's ties)."""
+    replica only its owner writes shows nothing here), and the first keys not split that some of them tie
+    and others do not, or tie to another key (each plan lists its rank's ties)."""
     views: dict[str, dict[tuple[tuple[int, ...], Any], list[int]]] = {}
     for plan in plans:
         rank = plan.planner_data["rank"]
@@ -96,11 +96,12 @@ def stage_differences(plans: list[SavePlan], ranks: set[int], shown: int = 5) ->
     ties = {
         p.planner_data["rank"]: (p.planner_data.get("tied") or {}) for p in plans if p.planner_data["rank"] in ranks
     }
-    for alias in sorted({a for tied in ties.values() for a in tied})[:shown]:
+    split = {a for p in plans for a in p.planner_data.get("tie_axes") or ()}  # tied per group: an empty piece ties none
+    for alias in sorted({a for tied in ties.values() for a in tied} - split)[:shown]:
         firsts: dict[str | None, list[int]] = {}
         for rank, tied in sorted(ties.items()):
             firsts.setdefault(tied.get(alias), []).append(rank)
-        if len(firsts) > 1:  # None: a tensor of its own (an empty piece, which has no address, ties on no rank)
+        if len(firsts) > 1:  # None: a tensor of its own
             seen = [
                 f"tied to {f!r} on ranks {r}" if f else f"a tensor of its own on ranks {r}" for f, r in firsts.items()
             ]

@@ -33,11 +33,11 @@ from smpckpt.errors import ReplicaMismatch
 from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout
 from smpckpt.planners._entries import Entry
 from smpckpt.planners._key_notes import stage_differences
-from smpckpt.planners._value_digests import SAMPLES, value_digests
+from smpckpt.planners._value_digests import SAMPLES, undigestable, value_digests
 
 __all__ = ["SAMPLES", "value_digests", "dtensor_values", "piece_id", "stage_keys", "check_replica_values"]
-__all__ += ["checked_codes", "detail_codes", "rank_values", "SPLIT_CODES", "stage_values"]
-__all__ += ["assign_owners", "replica_range", "KEYS_WAY", "RANK_WAY", "check_held"]
+__all__ += ["checked_codes", "detail_codes", "rank_values", "SPLIT_CODES", "stage_values", "check_tie_groups"]
+__all__ += ["assign_owners", "replica_range", "KEYS_WAY", "RANK_WAY", "check_held", "undigestable"]
 RANK_WAY = "listed in rank_local="  #: the refusals' way out for a planner's caller (the API names its own)
 KEYS_WAY = f"give per-rank values rank-unique keys {RANK_WAY}, and list keys only some ranks hold in held_by_some="
 
@@ -386,26 +386,9 @@ def check_duplicate_writers(writers: dict[Any, list[int]], rank_local: Any) -> N
             )
 
 
-def undigestable(tensors: Iterable[tuple[str, Any]], exc: BaseException) -> BaseException:
-    """The error for a tensor whose values the replica check cannot sample (a packed or quantized dtype):
-    named by its key, with the way out; ``exc`` itself when no single tensor is at fault."""
-    for key, value in tensors:
-        if not isinstance(value, torch.Tensor):
-            continue
-        try:
-            value_digests([value.to_local() if hasattr(value, "to_local") else value])
-        except (RuntimeError, NotImplementedError, TypeError) as one:
-            why = (str(one).splitlines() or [""])[0][:200]  # torch's dispatcher lists every backend after it
-            return TypeError(
-                f"{key}: the replica value check cannot sample a {value.dtype} tensor ({why}); save with "
-                "verify_replicas=False (SaveOptions(verify_replicas=False) through save_checkpoint or a "
-                "Checkpointer), or hold this tensor on one rank only"
-            )
-    return exc
-
-
 def check_replica_digests(layout: ParallelLayout, plans: list[SavePlan]) -> None:
-    """(coordinator) The ranks of each stage sent one replica digest (:func:`replica_digest`)."""
+    """(coordinator) The ranks of each stage sent one replica digest (:func:`replica_digest`), and agree per
+    replica group on the ties it leaves out (:func:`check_tie_groups`)."""
     by_stage: dict[int, dict[tuple[int, str], list[int]]] = {}
     for plan in plans:
         rank = plan.planner_data["rank"]
@@ -429,12 +412,42 @@ def check_replica_digests(layout: ParallelLayout, plans: list[SavePlan]) -> None
             "ZeRO rank owning none of a parameter) must still hold its keys: an empty piece (0 in sizes=) "
             "and the 0-d step."
         )
+    check_tie_groups(layout, plans)
+
+
+def check_tie_groups(layout: ParallelLayout, plans: list[SavePlan]) -> None:
+    """(coordinator) A tied key split over TP or DP (``planner_data["tie_axes"]``) is tied alike by every
+    rank of its replica group: they hold the same piece, with values (an empty piece ties nothing, so a
+    rank tying it holds values), and would otherwise plan that piece's writer differently (a group not
+    tying it writes it, :func:`~._entries.gather_ties` refusing). Ranks of other groups may hold empty
+    pieces of it: they neither make nor deny the tie."""
+    tying: dict[tuple[str, int], dict[int, str]] = {}  # (key, group's first rank) -> rank -> key tied to
+    groups: dict[tuple[str, int], range] = {}
+    for plan in plans:
+        data = plan.planner_data
+        for alias, axes in (data.get("tie_axes") or {}).items():
+            group = replica_range(layout, data["rank"], frozenset(axes))
+            tying.setdefault((alias, group.start), {})[data["rank"]] = data["tied"][alias]
+            groups[(alias, group.start)] = group
+    for (alias, start), ranks in sorted(tying.items()):
+        apart = [r for r in groups[(alias, start)] if r not in ranks]
+        if apart:
+            firsts = sorted(set(ranks.values()))
+            raise ReplicaMismatch(
+                f"{alias!r} is tied to {' or '.join(map(repr, firsts))} (the same tensor) on ranks {sorted(ranks)} "
+                f"but is a tensor of its own on ranks {apart}, which hold the same piece of it: tie (or untie) "
+                "parameters alike on every rank holding values of them"
+            )
 
 
 def replica_digest(shared: list[Entry], tied: Mapping[str, str]) -> tuple[int, str]:
     """Constant-size digest of (key, dtype, global shape, split axes) of every non-rank-local plain
-    tensor (``shared``) and of the ties, sorted by key: ranks of a stage whose digests differ would
-    disagree on who writes what, silently losing data."""
+    tensor (``shared``) and of the ties of keys not split, sorted by key: ranks of a stage whose digests
+    differ would disagree on who writes what, silently losing data. A key split over TP or DP may be an
+    empty piece on some ranks (an uneven split), which shows no tie: its ties are agreed by the ranks
+    holding its values (:func:`check_tie_groups`). A tie is split when either key is: a key not split tied to
+    a split one's piece is no tie a save keeps (``_entries.saved_ties``), so a tie here whose key is not
+    split has a first key not split either."""
     rows = [(e.key, e.value.dtype, e.global_shape, e.sharded_axes) for e in shared]
     rows.sort()  # by key: keys are unique, so the other fields are never compared
     # one "key|dtype|shape|axes" line per tensor; the tail is shared by many keys, so format it once
@@ -446,7 +459,7 @@ def replica_digest(shared: list[Entry], tied: Mapping[str, str]) -> tuple[int, s
             tail = tails[(dtype, shape, axes)] = f"|{dtype}|{tuple(shape or ())}|{sorted(axes)}\n"
         parts.append(key)
         parts.append(tail)
-        if key in tied:
+        if key in tied and not axes:
             parts.append(f"=|{tied[key]}\n")
     return len(rows), hashlib.sha1("".join(parts).encode()).hexdigest()
 

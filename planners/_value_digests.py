@@ -5,19 +5,20 @@ there is no torch or hash call per tensor where it can be helped (the README's "
 plain contiguous CPU tensors are sampled with one numpy fancy-index per dtype straight from their memory,
 canonicalised on their bits in numpy (:func:`_canonical_bits`; torch's intra-op threads cost more than the
 rest on a busy machine); other tensors take one ``torch.take`` each, with the same digest. A digest
-covers :data:`SAMPLES` evenly spaced elements (first and last included) and the element count."""
+covers :data:`SAMPLES` evenly spaced elements (first and last included) and the element count; a tensor
+none can be taken of (a packed or quantized dtype) is named by :func:`undigestable`."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["SAMPLES", "value_digests"]
+__all__ = ["SAMPLES", "value_digests", "undigestable"]
 
 #: elements sampled per tensor (evenly spaced, first and last included)
 SAMPLES = 16
@@ -272,3 +273,21 @@ def _finish(h: np.ndarray) -> np.ndarray:
         h = h * _P3
         h = h ^ (h >> _S32)
     return (h & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
+def undigestable(tensors: Iterable[tuple[str, Any]], exc: BaseException) -> BaseException:
+    """The error for a tensor whose values the replica check cannot sample (a packed or quantized dtype):
+    named by its key, with the way out; ``exc`` itself when no single tensor is at fault."""
+    for key, value in tensors:
+        if not isinstance(value, torch.Tensor):
+            continue
+        try:
+            value_digests([value.to_local() if hasattr(value, "to_local") else value])
+        except (RuntimeError, NotImplementedError, TypeError) as one:
+            why = (str(one).splitlines() or [""])[0][:200]  # torch's dispatcher lists every backend after it
+            return TypeError(
+                f"{key}: the replica value check cannot sample a {value.dtype} tensor ({why}); save with "
+                "verify_replicas=False (SaveOptions(verify_replicas=False) through save_checkpoint or a "
+                "Checkpointer), or hold this tensor on one rank only"
+            )
+    return exc

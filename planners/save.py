@@ -51,10 +51,11 @@ from smpckpt.planners._entries import (
     Entry,
     LayoutScope,
     ObjectBytes,
+    carries_no_data,
     dtensor_is_owner,
     encode_object,
     gather_ties,
-    tied_entries,
+    saved_ties,
 )
 from smpckpt.planners._replica_values import (
     RANK_WAY,
@@ -312,7 +313,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
                 f"{self.held_split[0]}: held_by_some saves it whole, but a spec rule matches it too: narrow a glob "
                 "meant for other layers; hold a TP-split expert as a DTensor (saved by its pieces) or stack them"
             )
-        self.tied = tied_entries(self.entries) if self.dedup_tied else {}
+        self.tied = saved_ties(self.entries) if self.dedup_tied else {}
         self.state_dict = state_dict
         self.dtensors = self.dtensor_layout(state_dict.get(RESERVED.model))
         self.is_coordinator = is_coordinator
@@ -337,8 +338,10 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         # replicas other ranks hold too (ownership and value checks); in key order, as both want them
         shared = [e for e in self.entries.values() if e.kind == "tensor" and not e.rank_local]
         shared.sort(key=lambda e: e.key)
+        # a tied key split over TP or DP stays on its group's lists (ranks holding an empty piece of it cannot
+        # tell the tie: the ties of split keys are agreed per group, check_tie_groups), writing nothing
         tied = self.tied
-        replicas = [e for e in shared if e.sharded_axes != _SPLIT_OVER_BOTH and e.key not in tied]
+        replicas = [e for e in shared if e.sharded_axes != _SPLIT_OVER_BOTH and (e.sharded_axes or e.key not in tied)]
         checked, codes, fresh = self._replica_values(replicas, shared)
         hit = self._cache.hit(signature, self.rank, object_digests, fresh)
         if hit is not None:
@@ -346,6 +349,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
 
         # Tensor.nbytes: numel x itemsize, in one call (a view's, not its storage's)
         replicated = [(e.key, int(e.value.nbytes), e.sharded_axes) for e in replicas]
+        if tied:  # a tied key (split: kept on the lists) writes nothing, its first key's bytes: weighs nothing
+            replicated = [(k, 0, a) if k in tied else (k, n, a) for k, n, a in replicated]
         owners = assign_owners(self.layout, self.rank, replicated, lowest_rank=self.replica_owner == "lowest")
         items: list[WriteItem] = []
         properties: dict[tuple[Any, ...], TensorProperties] = {}
@@ -364,7 +369,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
                 objects[key] = object_digests[key]
             elif kind == "tensor" and not entry.rank_local and owners.get(key, rank) != rank:
                 continue  # another replica writes it
-            elif (kind == "dtensor" and not dtensor_is_owner(entry)) or _carries_no_data(entry):
+            elif (kind == "dtensor" and not dtensor_is_owner(entry)) or carries_no_data(entry):
                 continue
             else:
                 add(_tensor_item(entry, properties, props.get(key)))
@@ -382,6 +387,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             "dtensors": self.dtensors,
             **fresh,
         }
+        if axes := {a: sorted(self.entries[a].sharded_axes) for a in tied if self.entries[a].sharded_axes}:
+            planner_data["tie_axes"] = axes  # split ties only: readers take .get("tie_axes") or ()
         coords = self.layout.coords(self.rank)
         if fresh["values"] is not None and coords.tp == 0 and coords.dp == 0:  # one key list per stage
             planner_data["value_keys"] = (tuple(e.key for e in checked), codes)
@@ -572,15 +579,6 @@ def _replicated(entry: Entry, world: int) -> bool:
     if dt is None:
         return False
     return any(isinstance(p, Replicate) for p in dt.placements) or dt.device_mesh.size() < world
-
-
-def _carries_no_data(entry: Entry) -> bool:
-    """A piece empty along a dim the global tensor is not (an uneven split's) is not written: its offset can
-    be a neighbour's chunk's. An empty *global* tensor's other pieces are, so its key and shape are."""
-    chunk, shape = entry.chunk, entry.global_shape
-    if chunk is None or shape is None:
-        return False
-    return any(n == 0 and g != 0 for n, g in zip(chunk.sizes, shape))  # extents are never negative
 
 
 def _tensor_item(

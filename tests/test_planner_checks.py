@@ -125,38 +125,224 @@ def test_an_empty_tensor_split_unevenly_saves_and_loads():
     assert back["w"].shape == (2, 0) and torch.equal(back["b"], torch.ones(3))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ReplicaMismatch,
-    reason="hunt70e, left: a tie is told by memory address, and an empty piece has none, so the rank holding "
-    "nothing of a tied pair reports no tie and the stage's digests differ (a ReplicaMismatch naming the key); "
-    "a fix needs the tie agreed across the ranks",
-)
+def _tied_pairs(sizes, apart_on=()):
+    """Each TP rank's piece of one tensor split by ``sizes`` rows, held under ``emb`` and ``head``: one tensor
+    under both keys, or (ranks in ``apart_on``) two tensors holding the same values."""
+    sds, at = [], 0
+    for r, n in enumerate(sizes):
+        piece = torch.arange(6.0).reshape(3, 2)[at : at + n].clone()
+        sds.append({"emb": piece, "head": piece.clone() if r in apart_on else piece})
+        at += n
+    return sds
+
+
 def test_a_tied_pair_split_with_an_empty_piece_saves_and_loads():
-    """An embedding tied to its head, split over TP with ``sizes=(0, 3)`` (a rank holding no row of it)."""
+    """An embedding tied to its head, split over TP with ``sizes=(0, 3)`` (a rank holding no row of it). Ties
+    are told by memory, and an empty piece shows none: the rank holding nothing reported no tie, the others
+    did, and the save was refused (hunt70e). The tie is the ranks' holding values of the pair (an empty piece
+    neither makes nor denies one; fix71a): written once, and loaded bit-exact, the head through the embedding,
+    into the same split, the whole tensor (tied, or held apart), and a split where that rank holds rows."""
     e = torch.arange(6.0).reshape(3, 2)
     spec = ShardSpec(0, sizes=(0, 3))
-    sds = []
-    for piece in (e[:0].clone(), e.clone()):
-        sds.append({"emb": piece, "head": piece})
-    store, _ = save(sds, TP2, {"emb": spec, "head": spec})
+    store, planners = save(_tied_pairs((0, 3)), TP2, {"emb": spec, "head": spec})
+    assert [p.tied for p in planners] == [{}, {"head": "emb"}]
+    assert {i.fqn for i in store.chunks} == {"emb"}  # written once, under its first key
     back = {"emb": torch.zeros(3, 2)}
     back["head"] = back["emb"]
-    load([back], ParallelLayout(), store)
-    assert torch.equal(back["emb"], e)
+    (planner,) = load([back], ParallelLayout(), store)
+    assert planner.saved_tied == {"head": "emb"} and planner.dest_tied == {"head": "emb"}
+    assert torch.equal(back["emb"], e) and back["head"] is back["emb"]
+    apart = {"emb": torch.zeros(3, 2), "head": torch.full((3, 2), -1.0)}  # the head read from the embedding's bytes
+    load([apart], ParallelLayout(), store)
+    assert torch.equal(apart["emb"], e) and torch.equal(apart["head"], e)
+    for sizes in ((0, 3), (2, 1), (1, 2)):
+        resplit = ShardSpec(0, sizes=sizes)
+        backs = _tied_pairs(sizes)
+        for b in backs:
+            b["emb"].fill_(-1.0)
+        planners = load(backs, TP2, store, {"emb": resplit, "head": resplit})
+        assert [p.dest_tied for p in planners] == [{"head": "emb"} if n else {} for n in sizes]
+        assert torch.equal(torch.cat([b["emb"] for b in backs]), e) and all(b["head"] is b["emb"] for b in backs)
 
 
-def test_a_tie_some_ranks_of_a_stage_hold_and_others_not_is_refused_naming_the_key():
-    """The tied pair above: its refusal named no key ("ranks [0] hold 2 such tensors, ranks [1] hold 2 such
-    tensors"); it names the key tied on some ranks only (fix70h's words, without its tie rule for empty pieces)."""
+def test_empty_pieces_held_apart_neither_make_nor_deny_a_tie():
+    """The rank holding none of a tied pair holds its empty pieces as two tensors: no evidence either way, so
+    the ranks holding values decide (this save was refused as a tie some ranks hold and others not, naming the
+    key, before fix71a). A pair tied only where it is not split still disagrees among ranks holding its values:
+    refused, naming the key and each rank's view."""
     e = torch.arange(6.0).reshape(3, 2)
     spec = ShardSpec(0, sizes=(0, 3))
-    sds = [{"emb": e[:0].clone(), "head": e[:0].clone()}, {"emb": e.clone(), "head": None}]
-    sds[1]["head"] = sds[1]["emb"]
+    store, planners = save(_tied_pairs((0, 3), apart_on=(0,)), TP2, {"emb": spec, "head": spec})
+    assert [p.tied for p in planners] == [{}, {"head": "emb"}]
+    assert {i.fqn for i in store.chunks} == {"emb"}
+    back = {"emb": torch.zeros(3, 2), "head": torch.zeros(3, 2)}
+    load([back], ParallelLayout(), store)
+    assert torch.equal(back["emb"], e) and torch.equal(back["head"], e)
+    w = e.clone()
     with pytest.raises(
-        ReplicaMismatch, match=r"'head': tied to 'emb' on ranks \[1\], a tensor of its own on ranks \[0\]"
+        ReplicaMismatch, match=r"'head': tied to 'emb' on ranks \[0\], a tensor of its own on ranks \[1\]"
     ):
-        save(sds, TP2, {"emb": spec, "head": spec})
+        save([{"emb": w, "head": w}, {"emb": e.clone(), "head": e.clone()}], ParallelLayout(dp=2))
+
+
+def test_zero_flat_partitions_holding_two_keys_as_empty_views_at_one_offset_are_not_tied():
+    """ZeRO-style flat partitions: a rank owning none of two same-shaped parameters holds each as an empty
+    view of its flat buffer at one offset with one shape (one storage, one address), while the rank holding
+    their values holds them apart. Not a tie (fix70h's tie of empty pieces by their storage refused this healthy
+    layout, ReplicaMismatch): saved and loaded bit-exact, every key written."""
+    a, b, c = torch.arange(6.0).reshape(3, 2), -torch.arange(6.0).reshape(3, 2) - 1, torch.arange(4.0) + 100
+    layout = ParallelLayout(dp=2)
+    specs = {"a": ShardSpec(0, "dp", sizes=(0, 3)), "b": ShardSpec(0, "dp", sizes=(0, 3))}
+    specs["c"] = ShardSpec(0, "dp", sizes=(4, 0))
+    flats = [c.clone(), torch.cat([a.flatten(), b.flatten()])]  # each rank's flat partition
+    sds = [
+        {"a": flats[0][4:].view(0, 2), "b": flats[0][4:].view(0, 2), "c": flats[0][:4]},
+        {"a": flats[1][:6].view(3, 2), "b": flats[1][6:].view(3, 2), "c": flats[1][12:]},
+    ]
+    one, two = sds[0]["a"], sds[0]["b"]  # one storage, one offset, one shape
+    assert one.untyped_storage().data_ptr() == two.untyped_storage().data_ptr() and one.storage_offset() == 4
+    store, planners = save(sds, layout, specs)
+    assert [p.tied for p in planners] == [{}, {}]
+    assert {i.fqn for i in store.chunks} == {"a", "b", "c"}
+    back = {"a": torch.zeros(3, 2), "b": torch.zeros(3, 2), "c": torch.zeros(4)}
+    (planner,) = load([back], ParallelLayout(), store)
+    assert planner.saved_tied == {}
+    assert torch.equal(back["a"], a) and torch.equal(back["b"], b) and torch.equal(back["c"], c)
+    backs = [{k: torch.zeros_like(v) for k, v in sd.items()} for sd in sds]
+    load(backs, layout, store, specs)
+    assert torch.equal(backs[1]["a"], a) and torch.equal(backs[1]["b"], b) and torch.equal(backs[0]["c"], c)
+
+
+def test_a_tie_ranks_holding_values_disagree_on_is_refused_naming_the_key():
+    """Ranks that hold values of a tied pair must tie it alike. Across TP pieces (rank 0 ties its row, rank 1
+    holds its two apart): refused by the writes. Within one piece's replicas (tp=2, dp=2: ranks 1 and 3 hold
+    TP piece 1, rank 1 apart with other values, rank 3 tied): rank 3 wrote the piece as the tie's, and rank 1's
+    head was dropped in silence with the value check off (the ties of split keys are left out of the stage's
+    digest, as an empty piece shows none): refused naming the key and both ranks."""
+    spec = ShardSpec(0, sizes=(1, 2))
+    with pytest.raises(
+        ReplicaMismatch,
+        match=r"'head' is tied to 'emb' \(the same tensor\) on rank 0 but is a tensor of its own on rank 1",
+    ):
+        save(_tied_pairs((1, 2), apart_on=(1,)), TP2, {"emb": spec, "head": spec})
+    layout, spec = ParallelLayout(tp=2, dp=2), ShardSpec(0, sizes=(0, 3))
+    sds = _tied_pairs((0, 3)) * 2  # ranks 0, 1 then 2, 3 (TP fastest)
+    sds[1] = {"emb": sds[1]["emb"].clone(), "head": -sds[1]["emb"]}
+    with pytest.raises(
+        ReplicaMismatch,
+        match=r"'head' is tied to 'emb' \(the same tensor\) on ranks \[3\] but is a tensor of its own on ranks \[1\], "
+        "which hold the same piece of it",
+    ):
+        save(sds, layout, {"emb": spec, "head": spec}, verify_replicas=False)
+
+
+def test_a_split_tied_pair_keeps_the_replica_value_checks_aligned():
+    """tp=2, dp=2, a tied pair split over TP with TP rank 0 empty (tied on ranks 1 and 3 only), a replicated
+    ``w`` and a TP-split ``z``. The split tied key stays on every rank's value-check lists (fix71a): dropped
+    from them on the ranks tying it only, the lists of the ranks differed and a DP replica (rank 3) drifted
+    on ``w`` or ``z`` saved in silence (rev71a M1). Each drift is refused, naming the ranks."""
+    layout, spec = ParallelLayout(tp=2, dp=2), ShardSpec(0, "tp", sizes=(0, 3))
+    specs = {"emb": spec, "head": spec, "z": ShardSpec(0, "tp")}
+
+    def world(drift=None):
+        sds = [
+            _tied_pairs((0, 3))[r % 2] | {"w": torch.arange(8.0), "z": torch.arange(2.0) + 10 * (r % 2)}
+            for r in range(4)
+        ]
+        if drift:
+            sds[3][drift] = sds[3][drift] + 1
+        return sds
+
+    store, _ = save(world(), layout, specs)
+    assert {i.fqn for i in store.chunks} == {"emb", "w", "z"}
+    for drift, where in (
+        ("w", r"ranks 0 and 3 hold different values"),
+        ("z", r"ranks 1 and 3 hold different values of 'z'"),
+    ):
+        reset_dcp_caches()
+        with pytest.raises(ReplicaMismatch, match=where):
+            save(world(drift), layout, specs)
+
+
+def test_a_split_tied_key_weighs_nothing_in_its_replica_groups_owner_choice():
+    """tp=2, dp=2, a pair tied on every rank and split over TP (rows 1 and 2), and a TP-split ``z``: the tied
+    key writes nothing (its bytes are its first key's), so it weighs nothing when each piece's DP replicas
+    share the writes (fix71a): ``emb`` on DP rank 0 of each piece, ``z`` on DP rank 1 (weighed at its bytes,
+    ``head`` took DP rank 1's turn and ``z`` went to DP rank 0 too). Plans list only split ties' axes."""
+    layout, spec = ParallelLayout(tp=2, dp=2), ShardSpec(0, "tp", sizes=(1, 2))
+    specs = {"emb": spec, "head": spec, "z": ShardSpec(0, "tp")}
+    sds = [_tied_pairs((1, 2))[r % 2] | {"z": torch.arange(4.0)[2 * (r % 2) :][:2].clone()} for r in range(4)]
+    writes = []
+    for rank, sd in enumerate(sds):
+        planner = ParallelSavePlanner(layout, specs, rank=rank)
+        planner.set_up_planner(sd, is_coordinator=rank == 0)
+        plan = planner.create_local_plan()
+        writes.append(sorted(i.index.fqn for i in plan.items))
+        assert plan.planner_data["tied"] == {"head": "emb"} and plan.planner_data["tie_axes"] == {"head": ["tp"]}
+    assert writes == [["emb"], ["emb"], ["z"], ["z"]]
+    untied = ParallelSavePlanner(TP2, rank=0)
+    untied.set_up_planner(tp_state(0), is_coordinator=True)
+    assert "tie_axes" not in untied.create_local_plan().planner_data  # sent only when a split key is tied
+
+
+@pytest.mark.parametrize("order", [("emb", "head"), ("head", "emb")])
+def test_a_pair_tied_where_only_one_key_is_split_saves_alike_in_either_key_order(order):
+    """TP=2: ``emb`` split with every row on TP rank 1 (``sizes=(0, 3)``), ``head`` held whole on both ranks,
+    and on rank 1 the same tensor as ``emb`` (its piece is the whole). Rank 0 holds the head as a tensor of its
+    own and an empty ``emb``: it cannot tell the tie. Tied to the split ``emb`` (order emb, head) the head's tie
+    entered the stage's digest and the save was refused; tied the other way it saved (rev71a L1). A tie is
+    split when either key is: both orders save, and load bit-exact into the same layout and whole (tied, or
+    held apart). Rank 0's head must still equal rank 1's: one with other values is refused."""
+    e = torch.arange(6.0).reshape(3, 2)
+    specs = {"emb": ShardSpec(0, sizes=(0, 3))}
+
+    def world(head0):
+        sds = []
+        for rows in (0, 3):
+            emb = e[:rows].clone()
+            held = {"emb": emb, "head": emb if rows else head0}
+            sds.append({k: held[k] for k in order})
+        return sds
+
+    store, planners = save(world(e.clone()), TP2, specs)
+    assert [p.tied for p in planners] == [{}, {"emb": "head"} if order[0] == "head" else {}]
+    backs = world(torch.full((3, 2), -1.0))  # rank 1 tied again
+    backs[1]["emb"].fill_(-1.0)
+    load(backs, TP2, store, specs)
+    assert torch.equal(backs[1]["emb"], e) and all(torch.equal(b["head"], e) for b in backs)
+    assert backs[1]["head"] is backs[1]["emb"]
+    for tied in (True, False):
+        back = {"emb": torch.zeros(3, 2)}
+        back["head"] = back["emb"] if tied else torch.zeros(3, 2)
+        load([back], ParallelLayout(), store)
+        assert torch.equal(back["emb"], e) and torch.equal(back["head"], e)
+    reset_dcp_caches()
+    with pytest.raises(ReplicaMismatch, match=r"ranks 0 and 1 hold different values"):
+        save(world(-e), TP2, specs)
+
+
+def test_async_staging_leaves_empty_pieces_untied_and_saves_as_a_synchronous_save():
+    """Staging copies an empty tensor into a buffer of its own (no address to share), as the planners tie no
+    empty piece: a tied pair's empty piece and a flat partition's empty views stage apart; staged, the pair
+    saves tied (from the rank holding its values) and the views untied, and both load bit-exact."""
+    from smpckpt.api._staging import Stager
+
+    e, f = torch.arange(6.0).reshape(3, 2), -torch.arange(6.0).reshape(3, 2) - 1
+    spec = ShardSpec(0, sizes=(0, 3))
+    flat = torch.zeros(4)
+    staged = []
+    for rows in (0, 3):
+        tied = e[:rows].clone()
+        views = (flat[4:].view(0, 2), flat[4:].view(0, 2)) if not rows else (f.clone(), -f)
+        state, _ = Stager().stage("t", {"emb": tied, "head": tied, "a": views[0], "b": views[1]}, set())
+        staged.append(state)
+    assert staged[1]["emb"] is staged[1]["head"] and staged[0]["emb"] is not staged[0]["head"]
+    specs = dict.fromkeys(("emb", "head", "a", "b"), spec)
+    store, planners = save(staged, TP2, specs)
+    assert [p.tied for p in planners] == [{}, {"head": "emb"}]
+    full = {k: torch.zeros(3, 2) for k in specs}
+    load([full], ParallelLayout(), store)
+    assert torch.equal(full["head"], e) and torch.equal(full["a"], f) and torch.equal(full["b"], -f)
 
 
 def test_per_rank_tensors_need_rank_local():

@@ -277,7 +277,9 @@ class Stager:
             raise
         # one tensor under two keys (a head tied to its embedding) stays one buffer: the save planner
         # writes a tie once and records it, as a synchronous save of the same state does; a conjugate or
-        # negated view of it shows other values: a buffer of its own (the planner does not tie it either).
+        # negated view of it shows other values: a buffer of its own (the planner does not tie it either),
+        # as is an empty tensor (a rank's empty piece of a split tied pair: no tie to show, the planners' ranks
+        # holding its values decide; empty views of one flat buffer are no tie either, fix71a).
         # The bits are read only on a hit (rare): every key paid for them (rev69f F8, 96 -> 134 ms at 80k keys)
         if where is not None:
             hit = seen.get(where)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import s3fs
 import torch
 import torch.distributed.checkpoint as dcp
 from storage_helpers import assert_state_equal, load_error, make_state, roundtrip_load, unwrap
@@ -524,7 +525,9 @@ def test_s3_a_refused_commit_whose_manifest_cannot_be_read_keeps_its_files(s3: B
 
 
 @pytest.mark.s3
-def test_s3_a_commit_whose_removal_check_fails_says_it_may_be_committed(s3: Backend, moto_endpoint: str) -> None:
+def test_s3_a_commit_whose_removal_check_fails_says_it_may_be_committed(
+    s3: Backend, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """hunt64b F3: the manifest PUT lands, then S3 goes down for the commit's GET of the removal mark: the save
     failed with a bare OSError naming ``smpckpt.removing`` though it was committed (its retry under the tag then
     met ``CheckpointExists``). Now it is :class:`CommitUncertain`, saying so, and the save's files are kept."""
@@ -540,6 +543,9 @@ def test_s3_a_commit_whose_removal_check_fails_says_it_may_be_committed(s3: Back
         return 503 if landed and path.endswith("/smpckpt.removing") else None
 
     sd = make_state(2)
+    # S3 stays down for that key: s3fs's own 5 tries of each SlowDown GET (1.9 s of sleeps apiece, on top of
+    # botocore's 2 attempts) only delayed the same failure (10 s of the suite); one s3fs try, same outcome
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     with FaultyProxy(moto_endpoint, should_fail) as proxy:
         with pytest.raises(CheckpointException) as info:
             dcp.save(sd, storage_writer=FsspecStorageWriter(url, storage_options=_proxy_opts(opts, proxy.url, 2)))

@@ -13,10 +13,35 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from smpckpt.model.layout import RESERVED
+from smpckpt.errors import LayoutMismatch
+from smpckpt.model.layout import RESERVED, UNREAD_KEY
 from smpckpt.planners._entries import SHOW
 
 __all__ = ["likely_causes", "nesting_mismatches", "module_note", "show_keys", "stage_differences"]
+__all__ += ["refuse_unread", "unread_note"]
+
+
+def _unread(metadata: Any) -> Mapping[str, Any]:
+    data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    found = data.get(UNREAD_KEY)
+    return found if isinstance(found, Mapping) else {}
+
+
+def refuse_unread(missing: Sequence[str], metadata: Any) -> None:
+    """(error path) Refuse ``missing`` keys under a prefix the storage reader left out of what it presents
+    (:data:`~smpckpt.model.layout.UNREAD_KEY`: an untranslated artifact's optimizer state read through a
+    translation), in its words: optional or not, skipping them would load without what was asked for."""
+    for prefix, why in (_unread(metadata).get("refuse") or {}).items():
+        asked = [k for k in missing if k.startswith(prefix)]
+        if asked:
+            raise LayoutMismatch(f"{why} (asked for {len(asked)} such keys: {show_keys(asked)})")
+
+
+def unread_note(metadata: Any) -> str:
+    """(error path) Why our keys are missing from an artifact read through a translation that takes none of
+    its names (the reader's note), or ``""``."""
+    note = _unread(metadata).get("note")
+    return f". {note}" if note else ""
 
 
 def likely_causes(keys: Sequence[str], saved: Iterable[str], asked: Set[str] = frozenset()) -> str:

@@ -60,7 +60,7 @@ from smpckpt.planners._entries import (
     tensor_as_number,
     tied_entries,
 )
-from smpckpt.planners._key_notes import likely_causes, module_note, nesting_mismatches
+from smpckpt.planners._key_notes import likely_causes, module_note, nesting_mismatches, refuse_unread, unread_note
 from smpckpt.planners._key_notes import show_keys as _show
 from smpckpt.planners._shared_memory import SharedMemoryLoads, TiedLoads, check_destination
 from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
@@ -235,6 +235,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 )
             resharded.append(entry.key)
             items.extend(found)
+        if missing:  # state the reader left out of a translated artifact: refused, never skipped as optional
+            refuse_unread(missing, self.metadata)
         skipped = [k for k in missing if self._is_optional(k)]
         missing = [k for k in missing if not self._is_optional(k)]
         # judged by the key read (a tied copy's optimizer state is read from the copy kept: rev62g F6)
@@ -250,6 +252,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 + nesting_mismatches(read, md_all)
                 + module_note(read, md_all)
                 + likely_causes(read, md_all)
+                + unread_note(self.metadata)
             )
         ties.count(items)
         shared.count(items)

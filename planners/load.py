@@ -40,6 +40,7 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, UnsafeCheckpoint, quantized_record_fits
 from smpckpt.model.layout import (
     RESERVED,
+    UNREAD_KEY,
     KeyMapper,
     LayoutRecord,
     NameMap,
@@ -195,6 +196,12 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         # destinations overlapping another's memory (not tied: another view): read into scratch, checked
         shared = self._shared
         shared.plan(self.entries, through.keys() | ties.compare.keys())
+        # state the reader left out of a translated artifact, or another family's names read as they are:
+        # refused before any key's own checks (a coincident key's shape), never skipped as optional
+        if isinstance(self.metadata.planner_data, dict) and UNREAD_KEY in self.metadata.planner_data:
+            absent = [k for k in self.entries if k not in through and sources.get(k, k) not in md_all]
+            if absent:
+                refuse_unread(absent, self.metadata, self.entries)
         for entry in list(self.entries.values()):
             if entry.key in through:  # tied in the destination: loaded through another key of its tensor
                 continue
@@ -235,8 +242,6 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 )
             resharded.append(entry.key)
             items.extend(found)
-        if missing:  # state the reader left out of a translated artifact: refused, never skipped as optional
-            refuse_unread(missing, self.metadata)
         skipped = [k for k in missing if self._is_optional(k)]
         missing = [k for k in missing if not self._is_optional(k)]
         # judged by the key read (a tied copy's optimizer state is read from the copy kept: rev62g F6)
@@ -252,7 +257,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 + nesting_mismatches(read, md_all)
                 + module_note(read, md_all)
                 + likely_causes(read, md_all)
-                + unread_note(self.metadata)
+                + unread_note(self.metadata, missing, self.entries)
             )
         ties.count(items)
         shared.count(items)

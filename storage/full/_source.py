@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError
-from smpckpt.hf import check_translation
+from smpckpt.hf import TRANSLATIONS, check_translation
 from smpckpt.model.layout import MERGED_KEY, METADATA_KEY, OPTIM_STATE_PREFIX, TIED_KEY, UNREAD_KEY
 from smpckpt.model.translation import Cat, Expr, Leaf, Translation
 from smpckpt.storage.backends._fs import join, read_bytes_or_none, translate_errors
@@ -442,11 +442,12 @@ class ArtifactIndex:
             found = None  # _model_entries's check names what does not fit
         data = dict(metadata.planner_data) if isinstance(metadata.planner_data, dict) else {}
         if found is not None and all(expr == Leaf(k) for k, (expr, _) in found.items()):
-            # no rule takes a tensor: our names, or another family's (refused), or names no family's (noted)
-            note = _fits_none(translation, art_shapes, self.url)
-            if note is not None:
-                metadata.planner_data = {**data, UNREAD_KEY: {"note": note}}
-            return  # already our names (saved from our model), read as they are
+            # no rule takes a tensor: our names (saved from our model), read as they are; or another family's,
+            # or names no family takes: judged by the planner only if our keys are missing (a fused name of
+            # ours may be another family's Hugging Face name: GPT-Neo's mlp.c_fc is GPT-2's)
+            as_is = (translation, self.url, prefix, tuple(TRANSLATIONS.values()))
+            metadata.planner_data = {**data, UNREAD_KEY: {"as_is": as_is}}
+            return
         refuse: dict[str, str] = {}
         for fqn, (art, expr) in list(self.exprs.items()):
             if art != "model":  # under the saved parameters' names, which the translation does not rename
@@ -486,45 +487,6 @@ class ArtifactIndex:
             f"optimizer state), which translate_function ({translation.name}) does not rename: read them without "
             "translate_function"
         )
-
-
-def _fits_none(translation: Translation, shapes: Mapping[str, Sequence[int]], url: str) -> str | None:
-    """An untranslated artifact whose ``shapes`` no rule of ``translation`` takes: ``None`` when they are its
-    our names (some rule takes them on our side); another family's Hugging Face names are refused, naming it;
-    else the note for a load missing our keys (names no family here translates)."""
-    if not translation.rules or any(translation.rule_of(k, shapes, "ours") is not None for k in shapes):
-        return None
-    from smpckpt.hf import TRANSLATIONS  # error path: every family, for the one whose names these are
-
-    def taking(side: str) -> dict[str, list[str]]:  # family -> the keys its rules take on ``side``, surest first
-        found: dict[str, list[tuple[bool, str]]] = {}  # (taken by a rule fusing tensors: surest, key)
-        for other in TRANSLATIONS.values():
-            rules = [(k, other.rule_of(k, shapes, side)) for k in shapes] if other.name != translation.name else []
-            found[other.name] = [(len(r.artifact) > 1, k) for k, r in rules if r is not None]
-        # GPT-2's renamed mlp.c_fc is GPT-Neo's own key: fused tensors name a family surest (check_translates)
-        score = {n: (sum(f for f, _ in hits), len(hits)) for n, hits in found.items() if hits}
-        best = max(score.values(), default=None)
-        return {n: [k for _, k in sorted(found[n], key=lambda h: not h[0])] for n, s in score.items() if s == best}
-
-    head = f"{url}: the artifact's names do not match translation {translation.name!r}"
-    theirs = taking("artifact")
-    if theirs:
-        name, (key, *_) = next(iter(theirs.items()))
-        raise LayoutMismatch(
-            f"{head} (it takes none of its {len(shapes)} model keys): they are {' or '.join(theirs)}'s Hugging Face "
-            f"names ({key!r}): resume with that family's, smpckpt.hf.translation_for({name!r})"
-        )
-    first = next(iter(shapes), "")
-    own = taking("ours")
-    hint = (
-        f"they are {' or '.join(own)}'s in our names ({next(iter(own.values()))[0]!r}): resume without "
-        "translate_function into that family's model"
-        if own
-        else "nor are they any family's of smpckpt.hf: resume without translate_function into a model in its names"
-    )
-    return (
-        f"{head}: it takes none of its {len(shapes)} model keys ({first!r}, ...) as Hugging Face names or ours; {hint}"
-    )
 
 
 #: a config.json larger than this is not read for its ties (real ones are a few KiB)

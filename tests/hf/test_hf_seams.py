@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from sim import load_shards_and_check
 
 import smpckpt
+from smpckpt.api.options import ExportOptions
 from smpckpt.hf.llama import make_translation
 from smpckpt.tools.cli import main
 
@@ -544,13 +545,16 @@ def test_untranslated_hf_names_artifact_resumes_into_our_names_as_save_pretraine
         )
 
 
+_WITH_OPTIMIZER = ExportOptions(include_optimizer=True)
+
+
 def _hf_with_optimizer(name: str, root: Path) -> tuple[Any, str]:
     """A tiny HF model after one Adam step, saved full in its own names (no translation) with its optimizer."""
     hf = tiny_model(name, seed=7, dtype=torch.float32)
     opt = torch.optim.Adam(hf.parameters())
     sum(p.sum() for p in hf.parameters()).backward()
     opt.step()
-    smpckpt.save_checkpoint(str(root), "full", partial=False, model=hf, optimizer=opt, include_optimizer=True)
+    smpckpt.save_checkpoint(str(root), "full", partial=False, model=hf, optimizer=opt, options=_WITH_OPTIMIZER)
     return hf, str(root / "full")
 
 
@@ -580,11 +584,16 @@ def test_untranslated_artifact_with_optimizer_state_loads_the_model_alone_with_a
     for strict in (True, False):
         dst = Holder({k: torch.zeros_like(v) for k, v in want.items()})
         opt = torch.optim.Adam(dst.parameters())
+        sum(p.sum() for p in dst.parameters()).backward()
+        opt.step()  # state of its own, which a refused load leaves as it was
+        before = {k: v.clone() for k, v in dst.state_dict().items()}
+        held = {n: {k: torch.as_tensor(v).clone() for k, v in opt.state[p].items()} for n, p in dst.named_parameters()}
         with pytest.raises(smpckpt.errors.LayoutMismatch, match=_OPTIM_REFUSED.format(mod.TRANSLATION.name)):
             smpckpt.resume_from_checkpoint(
                 url, None, partial=False, model=dst, optimizer=opt, strict=strict, translate_function=mod.TRANSLATION
             )
-        assert all(not v.any() for v in dst.state_dict().values()) and not opt.state
+        assert all(torch.equal(v, before[k]) for k, v in dst.state_dict().items())
+        assert all(_same_state(opt.state[p], held[n]) for n, p in dst.named_parameters())
 
 
 def test_untranslated_artifact_of_other_state_names_it_as_what_it_is(tmp_path: Path) -> None:
@@ -646,15 +655,101 @@ def test_untranslated_artifact_read_with_another_familys_translation_names_the_f
     families, key = _LLAMA if name in ("llama", "mistral", "qwen2") else (name, _NAMED[name])
     wrong = MODULES[_WRONG[name]]
     want = wrong.translate_hf_state_dict_to_smpckpt(tiny_model(_WRONG[name], seed=7, dtype=torch.float32).state_dict())
-    dst = Holder({k: torch.zeros_like(v) for k, v in want.items()})
-    with pytest.raises(
-        smpckpt.errors.LayoutMismatch,
-        match=rf"the artifact's names do not match translation '{wrong.TRANSLATION.name}' \(it takes none of its "
-        rf"{len(hf.state_dict()) - len(_tied(hf))} model keys\): they are {families}'s Hugging Face names "
-        rf"\('{re.escape(key)}'\): resume with that family's, smpckpt\.hf\.translation_for",
-    ):
-        smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, translate_function=wrong.TRANSLATION)
-    assert all(not v.any() for v in dst.state_dict().values())
+    for strict in (True, False):
+        dst = Holder({k: torch.zeros_like(v) for k, v in want.items()})
+        with pytest.raises(
+            smpckpt.errors.LayoutMismatch,
+            match=rf"the artifact's names do not match translation '{wrong.TRANSLATION.name}' \(it takes none of "
+            rf"its {len(hf.state_dict()) - len(_tied(hf))} model keys\): they are {families}'s Hugging Face names "
+            rf"\('{re.escape(key)}'\): resume with that family's, smpckpt\.hf\.translation_for",
+        ):
+            smpckpt.resume_from_checkpoint(
+                url, None, partial=False, model=dst, strict=strict, translate_function=wrong.TRANSLATION
+            )
+        assert all(not v.any() for v in dst.state_dict().values())
+
+
+def _save_as_is(sd: dict[str, torch.Tensor], root: Path) -> tuple[Any, Any, str]:
+    """``sd`` in a model after one Adam step, saved full as it is (no translation) with its optimizer."""
+    model = Holder({k: v.clone() for k, v in sd.items()})
+    opt = torch.optim.Adam(model.parameters())
+    sum(p.sum() for p in model.parameters()).backward()
+    opt.step()
+    smpckpt.save_checkpoint(str(root), "full", partial=False, model=model, optimizer=opt, options=_WITH_OPTIMIZER)
+    return model, opt, str(root / "full")
+
+
+def _same_state(got: Any, want: Any) -> bool:
+    return set(got) == set(want) and all(torch.equal(torch.as_tensor(got[k]), torch.as_tensor(want[k])) for k in want)
+
+
+def _neo_ours() -> dict[str, torch.Tensor]:
+    """A tiny GPT-Neo's tensors in our names (its head tied to the embedding: left out)."""
+    mod = MODULES["gpt_neo"]
+    ours = mod.translate_hf_state_dict_to_smpckpt(tiny_model("gpt_neo", seed=7, dtype=torch.float32).state_dict())
+    ours.pop("lm_head.weight", None)
+    return ours
+
+
+#: untranslated artifacts that need no renaming, read through a translation (taking none of their names) as
+#: they are: names no family takes; a GPT-Neo in our names without its attention (mlp.c_fc is GPT-2's Hugging
+#: Face name); a nanoGPT-style model in GPT-2's Hugging Face names with a translation of one's own
+_AS_IS = ("no_family", "gpt_neo_ours_no_attention", "gpt2_names_own_translation")
+
+
+@pytest.mark.parametrize("case", _AS_IS)
+def test_untranslated_artifact_no_translation_rule_takes_loads_as_it_is(tmp_path: Path, case: str) -> None:
+    """Names no rule of the translation takes load as they are, model and optimizer, bit-exact, whichever
+    family's rules take them on the other side (they were refused as another family's names)."""
+    from smpckpt.model.translation import Translation, rename
+
+    translation = MODULES["llama"].TRANSLATION
+    if case == "no_family":
+        sd = {"encoder.w": torch.randn(2, 3), "encoder.b": torch.randn(3)}
+    elif case == "gpt_neo_ours_no_attention":
+        sd, translation = {k: v for k, v in _neo_ours().items() if ".attn." not in k}, MODULES["gpt_neo"].TRANSLATION
+    else:
+        hf = tiny_model("gpt2", seed=7, dtype=torch.float32).state_dict()
+        sd = {k: v for k, v in hf.items() if not k.endswith(("attn.bias", "masked_bias")) and k != "lm_head.weight"}
+        translation = Translation("mine", rules=(rename("head.w", "head.weight"),))
+    model, opt, url = _save_as_is(sd, tmp_path)
+    dst = Holder({k: torch.zeros_like(v) for k, v in sd.items()})
+    dopt = torch.optim.Adam(dst.parameters())
+    smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, optimizer=dopt, translate_function=translation)
+    assert [k for k, v in model.state_dict().items() if not torch.equal(dst.state_dict()[k], v)] == []
+    saved = {n: opt.state[p] for n, p in model.named_parameters()}
+    assert [n for n, p in dst.named_parameters() if not _same_state(dopt.state.get(p, {}), saved[n])] == []
+
+
+def test_untranslated_artifact_of_another_family_in_our_names_names_it(tmp_path: Path) -> None:
+    """A GPT-Neo in our names read with BERT's translation into a BERT: refused naming GPT-Neo (its fused
+    qkv_proj), not GPT-2 (whose Hugging Face mlp.c_fc it holds), strict or not, nothing loaded; following the
+    advice loads it bit-exact."""
+    ours = _neo_ours()
+    smpckpt.save_checkpoint(str(tmp_path), "full", partial=False, model=Holder({k: v.clone() for k, v in ours.items()}))
+    url = str(tmp_path / "full")
+    bert = MODULES["bert"]
+    want = bert.translate_hf_state_dict_to_smpckpt(tiny_model("bert", seed=7, dtype=torch.float32).state_dict())
+    for strict in (True, False):
+        dst = Holder({k: torch.zeros_like(v) for k, v in want.items()})
+        with pytest.raises(
+            smpckpt.errors.LayoutMismatch,
+            match=r"the artifact's names do not match translation 'bert' \(it takes none of its 26 model keys\): "
+            r"they are gpt_neo's names in ours \(as its translation presents them\) "
+            r"\('transformer\.h\.0\.attn\.attention\.qkv_proj\.weight'\): resume with that family's, "
+            r"smpckpt\.hf\.translation_for\('gpt_neo'\), into a model of that family; 34 of our model keys are not "
+            r"in it: model\.bert\.",
+        ) as raised:
+            smpckpt.resume_from_checkpoint(
+                url, None, partial=False, model=dst, strict=strict, translate_function=bert.TRANSLATION
+            )
+        assert all(not v.any() for v in dst.state_dict().values())
+    named = re.search(r"translation_for\('(\w+)'\)", str(raised.value))
+    assert named is not None
+    dst = Holder({k: torch.zeros_like(v) for k, v in ours.items()})
+    advice = smpckpt.hf.translation_for(named.group(1))
+    smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, translate_function=advice)
+    assert [k for k, v in ours.items() if not torch.equal(dst.state_dict()[k], v)] == []
 
 
 def test_untranslated_artifact_no_family_takes_says_so_when_our_keys_are_missing(tmp_path: Path) -> None:
@@ -666,8 +761,8 @@ def test_untranslated_artifact_no_family_takes_says_so_when_our_keys_are_missing
     dst = Holder({k: torch.zeros_like(v) for k, v in want.items()})
     with pytest.raises(
         smpckpt.errors.LayoutMismatch,
-        match=r"keys are not in the checkpoint: .*the artifact's names do not match translation 'llama': it takes "
-        r"none of its 1 model keys \('encoder\.w', \.\.\.\) as Hugging Face names or ours; nor are they any "
+        match=r"keys are not in the checkpoint: .*the artifact's names do not match translation 'llama' \(it takes "
+        r"none of its 1 model keys, 'encoder\.w', \.\.\., as Hugging Face names or ours\); nor are they any "
         r"family's of smpckpt\.hf: resume without translate_function into a model in its names",
     ):
         smpckpt.resume_from_checkpoint(

@@ -13,10 +13,96 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from smpckpt.model.layout import RESERVED
+from smpckpt.errors import LayoutMismatch
+from smpckpt.model.layout import RESERVED, UNREAD_KEY
 from smpckpt.planners._entries import SHOW
 
 __all__ = ["likely_causes", "nesting_mismatches", "module_note", "show_keys", "stage_differences"]
+__all__ += ["refuse_unread", "unread_note"]
+
+
+def _unread(metadata: Any) -> Mapping[str, Any]:
+    data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    found = data.get(UNREAD_KEY)
+    return found if isinstance(found, Mapping) else {}
+
+
+def refuse_unread(missing: Sequence[str], metadata: Any, asked: Container[str] = frozenset()) -> None:
+    """(error path) Refuse ``missing`` keys under a prefix the storage reader left out of what it presents
+    (:data:`~smpckpt.model.layout.UNREAD_KEY`: an untranslated artifact's optimizer state read through a
+    translation), in its words: optional or not, skipping them would load without what was asked for. And,
+    model keys of ours missing from an untranslated artifact read as it is (no rule of the translation takes
+    its names) whose names another family's translation takes: refused naming that family, strict or not
+    (``asked``: the keys this rank loads; the artifact's keys among them are ours, not another family's)."""
+    for prefix, why in (_unread(metadata).get("refuse") or {}).items():
+        found = [k for k in missing if k.startswith(prefix)]
+        if found:
+            raise LayoutMismatch(f"{why} (asked for {len(found)} such keys: {show_keys(found)})")
+    judged = _as_is(missing, metadata, asked)
+    if judged is not None and judged[1]:
+        head, family, ours = judged
+        raise LayoutMismatch(f"{head}){family}; {ours}")
+
+
+def unread_note(metadata: Any, missing: Sequence[str] = (), asked: Container[str] = frozenset()) -> str:
+    """(error path) Why our keys are missing from an untranslated artifact read through a translation that
+    takes none of its names, when no family's takes them either, or ``""``."""
+    judged = _as_is(missing, metadata, asked)
+    if judged is None or judged[1]:
+        return ""
+    return (
+        f". {judged[0]}, {judged[2]}, as Hugging Face names or ours); nor are they any family's of smpckpt.hf: "
+        "resume without translate_function into a model in its names"
+    )
+
+
+def _as_is(missing: Sequence[str], metadata: Any, asked: Container[str]) -> tuple[str, str, str] | None:
+    """(error path) For model keys in ``missing`` from an artifact the reader presents as it is through a
+    translation: ``(head, family hint or "", what is missing)``; ``None`` when none is missing, or the
+    translation takes the names as ours, or the artifact holds no key this rank does not ask for."""
+    found = _unread(metadata).get("as_is")
+    if not found:
+        return None
+    translation, url, prefix, families = found
+    ours = [k for k in missing if k.startswith(prefix)]
+    if not ours:
+        return None  # no model key of ours missing: nothing built
+    shapes = {
+        k[len(prefix) :]: tuple(md.size)
+        for k, md in metadata.state_dict_metadata.items()
+        if k.startswith(prefix) and not isinstance(md, BytesStorageMetadata)
+    }
+    if any(translation.rule_of(k, shapes, "ours") is not None for k in shapes):
+        return None
+    unasked = {k: s for k, s in shapes.items() if prefix + k not in asked}
+    if not unasked:
+        return None  # all of them our keys, some missing: the plain refusal says which
+    # family -> (side, key) hits; fused rules (several Hugging Face tensors) name a family surest, on
+    # either side (GPT-2's renamed mlp.c_fc is GPT-Neo's own key, which a GPT-Neo in our names holds too)
+    hits: dict[str, list[tuple[bool, str, str]]] = {}
+    for other in families:  # smpckpt.hf's, for the one whose names these are
+        if other.name == translation.name:
+            continue
+        for side in ("artifact", "ours"):
+            for k in unasked:
+                rule = other.rule_of(k, unasked, side)
+                if rule is not None:
+                    hits.setdefault(other.name, []).append((len(rule.artifact) > 1, side, k))
+    score = {n: (sum(f for f, _, _ in h), len(h)) for n, h in hits.items()}
+    best = max(score.values(), default=None)
+    named = [n for n, s in score.items() if s == best]
+    head = f"{url}: the artifact's names do not match translation {translation.name!r} (it takes none of its"
+    head += f" {len(shapes)} model keys"
+    if not named:
+        return head, "", f"{next(iter(shapes))!r}, ..."
+    fused, side, key = sorted(hits[named[0]], key=lambda h: not h[0])[0]
+    what = "Hugging Face names" if side == "artifact" else "names in ours (as its translation presents them)"
+    return (
+        head,
+        f": they are {' or '.join(named)}'s {what} ({key!r}): resume with that family's, "
+        f"smpckpt.hf.translation_for({named[0]!r}), into a model of that family",
+        f"{len(ours)} of our model keys are not in it: {show_keys(ours)}",
+    )
 
 
 def likely_causes(keys: Sequence[str], saved: Iterable[str], asked: Set[str] = frozenset()) -> str:

@@ -40,6 +40,7 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, UnsafeCheckpoint, quantized_record_fits
 from smpckpt.model.layout import (
     RESERVED,
+    UNREAD_KEY,
     KeyMapper,
     LayoutRecord,
     NameMap,
@@ -60,7 +61,7 @@ from smpckpt.planners._entries import (
     tensor_as_number,
     tied_entries,
 )
-from smpckpt.planners._key_notes import likely_causes, module_note, nesting_mismatches
+from smpckpt.planners._key_notes import likely_causes, module_note, nesting_mismatches, refuse_unread, unread_note
 from smpckpt.planners._key_notes import show_keys as _show
 from smpckpt.planners._shared_memory import SharedMemoryLoads, TiedLoads, check_destination
 from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
@@ -195,6 +196,12 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         # destinations overlapping another's memory (not tied: another view): read into scratch, checked
         shared = self._shared
         shared.plan(self.entries, through.keys() | ties.compare.keys())
+        # state the reader left out of a translated artifact, or another family's names read as they are:
+        # refused before any key's own checks (a coincident key's shape), never skipped as optional
+        if isinstance(self.metadata.planner_data, dict) and UNREAD_KEY in self.metadata.planner_data:
+            absent = [k for k in self.entries if k not in through and sources.get(k, k) not in md_all]
+            if absent:
+                refuse_unread(absent, self.metadata, self.entries)
         for entry in list(self.entries.values()):
             if entry.key in through:  # tied in the destination: loaded through another key of its tensor
                 continue
@@ -250,6 +257,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 + nesting_mismatches(read, md_all)
                 + module_note(read, md_all)
                 + likely_causes(read, md_all)
+                + unread_note(self.metadata, missing, self.entries)
             )
         ties.count(items)
         shared.count(items)

@@ -29,6 +29,7 @@ from smpckpt.errors import CheckpointCorrupt, SpecError
 __all__ = ["ParallelLayout", "RankCoords", "AXES", "KeyMapper", "NameMap", "ReservedKeys", "RESERVED"]
 __all__ += ["OPTIM_STATE_PREFIX", "FULL_ARTIFACTS", "API_RECORD", "API_RECORD_V1", "FULL_API_RECORD", "LayoutRecord"]
 __all__ += ["METADATA_KEY", "MANIFEST_KEY", "RECORD_VERSION", "TIED_KEY", "checkpoint_ties", "MERGED_KEY"]
+__all__ += ["UNREAD_KEY"]
 __all__ += ["wrapped"]
 __all__ += ["checkpoint_original_shapes"]
 
@@ -376,6 +377,12 @@ TIED_KEY = "__smpckpt_tied__"
 #: an unsharded model holds each fused tensor in (``[3d, d]`` for the stored view ``[3, d, d]``), as
 #: :attr:`LayoutRecord.original_shapes` records it for our checkpoints.
 MERGED_KEY = "__smpckpt_merged__"
+#: Key in ``Metadata.planner_data`` of an artifact read through a translation that cannot present all of
+#: it: ``{"refuse": {key prefix: why}}`` for state left out under names the translation does not rename
+#: (an untranslated artifact's optimizer state; asking for a key under the prefix is refused in those words,
+#: never skipped), ``{"as_is": (translation, url, prefix, families)}`` for an untranslated artifact no rule of
+#: it takes, read as it is (a load missing model keys of ours is judged then: another family's names, refused).
+UNREAD_KEY = "__smpckpt_unread__"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError
-from smpckpt.hf import check_translation
-from smpckpt.model.layout import MERGED_KEY, METADATA_KEY, TIED_KEY
+from smpckpt.hf import TRANSLATIONS, check_translation
+from smpckpt.model.layout import MERGED_KEY, METADATA_KEY, OPTIM_STATE_PREFIX, TIED_KEY, UNREAD_KEY
 from smpckpt.model.translation import Cat, Expr, Leaf, Translation
 from smpckpt.storage.backends._fs import join, read_bytes_or_none, translate_errors
 from smpckpt.storage.format._checksum import hash_bytes
@@ -433,27 +433,34 @@ class ArtifactIndex:
     def translate_untranslated(self, metadata: Metadata, translation: Translation, prefix: str) -> None:
         """A committed artifact written without a translation (a model already in Hugging Face names), read
         with ``translation``: its model keys presented under ours, as a Hugging Face folder's are (else the
-        translation went unused and our fused keys were "not in the checkpoint")."""
+        translation went unused and our fused keys were "not in the checkpoint"). Its other state (optimizer
+        state, keyed by the Hugging Face parameters) is left out, asking for it refused (:data:`UNREAD_KEY`)."""
+        art_shapes = self.shapes.get("model", {})
         try:
-            found = translation.from_artifact(self.shapes.get("model", {}))
+            found = translation.from_artifact(art_shapes)
         except ValueError:
             found = None  # _model_entries's check names what does not fit
-        if found is not None and all(expr == Leaf(k) for k, (expr, _) in found.items()):
-            return  # no rule takes a tensor: already our names (saved from our model), read as they are
-        others = sorted({k.partition("/")[0] for k in self.tensors} - {"model"})
-        if others:  # optimizer state is keyed by the saved parameters' names: the translation maps model keys only
-            raise LayoutMismatch(
-                f"{self.url}: written without a translate_function and holding {', '.join(others)} state, which a "
-                f"translate_function ({translation.name}) cannot rename; resume it without translate_function "
-                "into a model in the artifact's names, or export it without include_optimizer"
-            )
         data = dict(metadata.planner_data) if isinstance(metadata.planner_data, dict) else {}
-        for fqn in [f for f, (art, _) in self.exprs.items() if art == "model"]:
+        if found is not None and all(expr == Leaf(k) for k, (expr, _) in found.items()):
+            # no rule takes a tensor: our names (saved from our model), read as they are; or another family's,
+            # or names no family takes: judged by the planner only if our keys are missing (a fused name of
+            # ours may be another family's Hugging Face name: GPT-Neo's mlp.c_fc is GPT-2's)
+            as_is = (translation, self.url, prefix, tuple(TRANSLATIONS.values()))
+            metadata.planner_data = {**data, UNREAD_KEY: {"as_is": as_is}}
+            return
+        refuse: dict[str, str] = {}
+        for fqn, (art, expr) in list(self.exprs.items()):
+            if art != "model":  # under the saved parameters' names, which the translation does not rename
+                key = expr.key if isinstance(expr, Leaf) else ""
+                at = fqn[: len(fqn) - len(key)] if key and fqn.endswith(key) else fqn
+                refuse.setdefault(at, self._unrenamed(art, at, translation))
             del self.exprs[fqn]
             metadata.state_dict_metadata.pop(fqn, None)
             data.pop(fqn, None)
-        ours = self._model_entries(metadata.state_dict_metadata, self.shapes.get("model", {}), translation, prefix)
+        ours = self._model_entries(metadata.state_dict_metadata, art_shapes, translation, prefix)
         data.update({prefix + k: ("model", k) for k in ours})
+        if refuse:
+            data[UNREAD_KEY] = {"refuse": refuse}
         merged = translation.merged_shapes({k: s for k, (_, s) in ours.items()})
         record = data.get(METADATA_KEY)
         if merged and isinstance(record, Mapping):  # the record's shapes before a view are what planners read
@@ -462,6 +469,24 @@ class ArtifactIndex:
         elif merged:
             data[MERGED_KEY] = {prefix + k: list(s) for k, s in merged.items()}
         metadata.planner_data = data
+
+    def _unrenamed(self, artifact: str, at: str, translation: Translation) -> str:
+        """(error words, kept for a load asking for them) Why an untranslated artifact's ``artifact`` tensors
+        under ``at`` are not read through ``translation``, named as what they are."""
+        untranslated = f"{self.url}: written without a translate_function"
+        if at == OPTIM_STATE_PREFIX:
+            return (
+                f"{untranslated}, its optimizer state is keyed by the Hugging Face parameter names it was saved "
+                f"under, which translate_function ({translation.name}) does not rename (a fused parameter's state "
+                "is several tensors, each with its own step): resume the model alone (no optimizer=) with "
+                "translate_function, or model and optimizer without translate_function into a model in the "
+                "artifact's names"
+            )
+        return (
+            f"{untranslated}, its {artifact!r} artifact holds tensors under {at!r} (not model weights, nor "
+            f"optimizer state), which translate_function ({translation.name}) does not rename: read them without "
+            "translate_function"
+        )
 
 
 #: a config.json larger than this is not read for its ties (real ones are a few KiB)

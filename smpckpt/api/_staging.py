@@ -53,7 +53,14 @@ def copy_into(pairs: Iterable[Pair], stream: Any = None) -> None:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
+    try:
+        return (str(t.device), t.untyped_storage().data_ptr())
+    except RuntimeError:
+        # an efficient zero tensor (``torch._efficientzerotensor``, some autograd paths' zero gradients) has no
+        # storage: nothing changes it in place, so no optimizer owns it; it stages as its zeros, by value
+        if t._is_zerotensor():
+            return (str(t.device), 0)
+        raise
 
 
 def _bits(t: torch.Tensor) -> tuple[bool, bool]:
@@ -268,9 +275,9 @@ class Stager:
         if kind == "meta":
             raise no_data(prefix[:-1], t)
         try:
-            where: tuple[Any, ...] | None = (
-                (device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
-            )
+            # no data pointer with elements (an efficient zero tensor, no storage): never one tensor with another
+            ptr = t.data_ptr() if t.numel() else 0
+            where: tuple[Any, ...] | None = (device, ptr, t.dtype, tuple(t.shape), t.stride()) if ptr else None
         except RuntimeError:
             if t.layout is not _STRIDED or t.is_nested:
                 raise not_plain(prefix[:-1], t) from None

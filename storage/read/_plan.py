@@ -206,9 +206,10 @@ def plan_reads(
     request_cost: int = REQUEST_COST_BYTES,
 ) -> ReadPlan:
     """Widen each item to whole checksum blocks (of files in ``records``, when ``verify``), set aside
-    row-by-row box reads (``local`` files; rows at most ``row_gap`` apart share requests, rows whose
-    gaps cost less than a request, ``request_cost`` bytes, stream: :func:`streams`; elsewhere a strided
-    slice whose widened span exceeds ``max_request_bytes``, streamed in requests of at most that) and
+    row-by-row box reads (``local`` files; rows at most ``row_gap`` apart share requests; elsewhere a
+    strided slice whose widened span exceeds ``max_request_bytes``; everywhere, rows whose gaps cost less
+    than a request, ``request_cost`` bytes, stream, :func:`streams`, in requests of at most that, and
+    rows farther apart take a request each, on object stores where a row's run can be read alone) and
     direct candidates (where ``direct``: reads can land in the destination), coalesce the rest per file,
     and mark the requests no neighbour continues (``scattered``)."""
     per_file: dict[str, list[Need[Item]]] = {}
@@ -226,15 +227,20 @@ def plan_reads(
         contiguous = it.raw and exact == it.end - it.start  # the slice is one run of the stored chunk's bytes
         # the reader's record checks have put the item inside the file and the file in the manifest
         lo, hi = rec.widen(it.start, it.end) if rec is not None else (it.start, it.end)
-        # on object stores (fewer, larger requests) a strided slice is one request up to max_request_bytes;
-        # past that, spans of whole rows (coalesce never splits an item: its span would take one buffer)
-        strided = it.raw and not contiguous and (local or hi - lo > max_request_bytes)
-        box = box_read(it, rec, verify=verify, spans=not local) if strided else None
+        # on object stores (fewer, larger requests) a strided slice whose rows stream is one request up to
+        # max_request_bytes; past that, spans of whole rows (coalesce never splits an item: its span would
+        # take one buffer)
+        box = box_read(it, rec, verify=verify, spans=not local) if it.raw and not contiguous else None
         if box is not None:
             merge = local and box.row_bytes - box.width <= row_gap
-            stream = not local or (not merge and streams(box.row_bytes, box.width, request_cost))
-            boxes.append(dataclasses.replace(box, merge=merge, stream=stream))
-            continue
+            # one cost model on every backend (its request cost: the reader's, per backend): rows far apart
+            # take a request each -- where a row's run can be read alone, verified (tiles) or not; an untiled
+            # record's blocks straddle its rows, so on an object store such a slice reads spans of whole rows
+            alone = local or box.tiling is not None or rec is None
+            stream = not alone or (not merge and streams(box.row_bytes, box.width, request_cost))
+            if local or not stream or hi - lo > max_request_bytes:
+                boxes.append(dataclasses.replace(box, merge=merge, stream=stream))
+                continue
         if direct and contiguous and it.end - it.start >= direct_min_bytes:
             # candidate for reading straight into the destination (decided when its target is resolved)
             candidates.append(DirectCandidate(it.file, Need(lo, hi, it)))

@@ -2,21 +2,26 @@
 row groups) fetched in ranged requests of at most the reader's ``max_request_bytes``, verified, and copied
 into the destination on the worker thread.
 
-A part whose span fits the cap is one request from its first row's first column to its last row's last
-(S3 charges by the request, not by the gaps), widened to whole check units. A tiled row group past the cap
-(a fused QKV's rows of 128 MiB, one row a group) used to be one request of the whole group, of which a TP
-rank uses its columns; it is read as runs of the slice's column groups instead (:func:`runs`): rows close
-enough share a request, gaps read into scratch, and a run longer than the cap goes in pieces of whole
-column groups. The runs land back to back, so each tile of the slice's columns is checked where it
+Rows share a request only where the planner's cost model streams them (``box.stream``: the unread gap
+between neighbouring rows' runs costs less than one more request, the reader's ``request_cost_bytes``,
+:func:`~smpckpt.storage.format._columns.streams`, as on local disk): a part whose span fits the cap is then
+one request from its first row's first column to its last row's last, widened to whole check units. Rows
+farther apart take a request each (:func:`runs`): the slice's columns of each row (its column groups, when
+tiled), so a column reshard requests the bytes it needs, not its enclosing rows (rev69b: 4x at TP=4). A
+tiled row group past the cap (a fused QKV's rows of 128 MiB, one row a group) used to be one request of the
+whole group, of which a TP rank uses its columns; it is read as runs of the slice's column groups instead:
+rows that stream share a request, gaps read into scratch, and a run longer than the cap goes in pieces of
+whole column groups. The runs land back to back, so each tile of the slice's columns is checked where it
 landed once its row group is in, and only the slice's columns are held.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
+from smpckpt.errors import CheckpointError
 from smpckpt.storage.format._columns import Into
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._fetch import BoxRows, BufferPool, check_complete, read_range, reading, reads_into, verify_box
@@ -26,19 +31,18 @@ __all__ = ["fetch_rows", "runs"]
 
 
 def runs(box: BoxRead, rows: tuple[int, int], cap: int) -> list[tuple[int, int, int, int]]:
-    """The requests that read the box's columns of ``rows`` (a tiled box's whole row groups), each
-    ``(first row, end row, first byte column, end byte column)`` of the record: rows whose span (first
-    row's first column to last row's last, gaps included) fits ``cap`` share one; a single row's run past
-    ``cap`` is cut into pieces of whole column groups of at most ``cap`` (at least one group: the smallest
-    unit a read can verify on its own)."""
-    if box.tiling is None:
-        raise ValueError(f"runs of an untiled box of {box.item.fqn!r}")
+    """The requests that read the box's columns of ``rows`` (whole row groups), each ``(first row, end
+    row, first byte column, end byte column)`` of the record: rows that stream (``box.stream``) and whose
+    span (first row's first column to last row's last, gaps included) fits ``cap`` share one; else a row is
+    a request; a single row's run past ``cap`` is cut into pieces of whole column groups of at most
+    ``cap`` (at least one group: the smallest unit a read can verify on its own; untiled: any bytes)."""
     a, b = rows
-    w, rb, seg = box.width, box.row_bytes, box.tiling.segment
+    w, rb = box.width, box.row_bytes
     if w > cap:
+        seg = box.tiling.segment if box.tiling is not None else 1
         step = max(1, cap // seg) * seg
         return [(r, r + 1, c, min(c + step, box.col1)) for r in range(a, b) for c in range(box.col0, box.col1, step)]
-    per = 1 + (cap - w) // rb  # rows one request holds
+    per = 1 + (cap - w) // rb if box.stream else 1  # rows one request holds
     return [(r, min(b, r + per), box.col0, box.col1) for r in range(a, b, per)]
 
 
@@ -63,7 +67,7 @@ def fetch_rows(
     lo, hi = first, box.base + (b - 1) * box.row_bytes + box.col1
     if rec is not None:
         lo, hi = rec.widen(lo, hi)
-    if hi - lo > cap and box.tiling is not None and rec is not None:
+    if not box.stream or (hi - lo > cap and box.tiling is not None and rec is not None):
         return _fetch_runs(fs, path, box, rows, rec, pool, cap, dst, into, turn)
     data = read_range(fs, path, lo, hi, [box.item], rec, pool, turn)
     into = Into(dst, a, box.width, box.col0) if dst is not None else into
@@ -79,17 +83,21 @@ def _fetch_runs(
     path: str,
     box: BoxRead,
     rows: tuple[int, int],
-    rec: FileRecord,
+    rec: FileRecord | None,
     pool: BufferPool,
     cap: int,
     dst: memoryview | None,
     into: Into | None,
     turn: AbstractContextManager[None] | None,
 ) -> BoxRows:
-    """:func:`fetch_rows` of a tiled row group past ``cap``: the :func:`runs` land back to back (``width``
-    bytes a row) in ``dst`` or one buffer of the slice's columns; every tile in them verified after."""
+    """:func:`fetch_rows` of rows that do not stream, or of a tiled row group past ``cap``: the :func:`runs`
+    land back to back (``width`` bytes a row) in ``dst`` or one buffer of the slice's columns; every tile in
+    them verified after (``rec``: the file's record when verifying; a verified box is tiled)."""
     a, b = rows
     w, rb = box.width, box.row_bytes
+    if rec is not None and box.tiling is None:  # pragma: no cover - the planner streams such a box
+        raise CheckpointError(f"{path}: internal: rows of {box.item.fqn!r} read alone cannot be verified untiled")
+    get = _getter(fs, path)  # the backend's ranged read, chosen once for every run
     out = dst if dst is not None else memoryview(pool.take((b - a) * w))[: (b - a) * w]
     plan = runs(box, rows, cap)
     # the gap between two rows of one request: read, never used (a request of several rows only)
@@ -105,9 +113,10 @@ def _fetch_runs(
                     views.append(sink)
             start = box.base + r0 * rb + c0
             want = (r1 - r0 - 1) * rb + c1 - c0
-            check_complete(path, [box.item.fqn], start, start + want, _get_into(fs, path, start, want, views))
+            check_complete(path, [box.item.fqn], start, start + want, get(start, want, views))
             nbytes += want
-    verify_box(path, box, rec, out, w, a, rows)
+    if rec is not None:
+        verify_box(path, box, rec, out, w, a, rows)
     if into is not None:
         into.copy(out, a, box.col0, rows, w)
     if dst is not None or into is not None:
@@ -117,16 +126,21 @@ def _fetch_runs(
     return BoxRows(out, w, nbytes, len(plan))
 
 
-def _get_into(fs: Any, path: str, start: int, n: int, views: Sequence[memoryview]) -> int:
-    """File bytes ``[start, start + n)`` into ``views`` in order (S3: the GET body streamed in); the bytes got."""
+def _getter(fs: Any, path: str) -> Callable[[int, int, Sequence[memoryview]], int]:
+    """``get(start, n, views)``: file bytes ``[start, start + n)`` of ``path`` into ``views`` in order (S3:
+    the GET body streamed in; else ``cat_file``, copied); the bytes got."""
     if reads_into(fs):
         from smpckpt.storage.backends._s3 import get_range_into
 
-        return get_range_into(fs, path, start, start + n, views)
-    data = memoryview(fs.cat_file(path, start=start, end=start + n))
-    pos = 0
-    for v in views:
-        k = min(len(v), len(data) - pos)
-        v[:k] = data[pos : pos + k]
-        pos += k
-    return len(data)
+        return lambda start, n, views: get_range_into(fs, path, start, start + n, views)
+
+    def get(start: int, n: int, views: Sequence[memoryview]) -> int:
+        data = memoryview(fs.cat_file(path, start=start, end=start + n))
+        pos = 0
+        for v in views:
+            k = min(len(v), len(data) - pos)
+            v[:k] = data[pos : pos + k]
+            pos += k
+        return len(data)
+
+    return get

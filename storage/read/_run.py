@@ -370,14 +370,16 @@ class ReadRun:
         the device, and the other cores, idle), each part committed when all are done."""
         target = self.planner.resolve_tensor(box.item.req).detach()
         dst = box_destination(box, target) if in_place(target) else None
-        # a streamed part copies the item's columns straight into its destination on the worker
-        into = item_destination(box, target) if box.stream and dst is None and in_place(target) else None
-        # on object stores a part is one request (S3 charges by the request), of up to max_request_bytes
-        chunks = (
-            box.chunks(STREAM_PART_BYTES if box.stream else PIECE_BYTES)
-            if self.local
-            else box.chunks(self.max_request_bytes)
-        )
+        # a streamed part (any part on an object store) copies the item's columns straight into its
+        # destination on the worker
+        copied = box.stream or not self.local
+        into = item_destination(box, target) if copied and dst is None and in_place(target) else None
+        # on object stores a streamed part is one request (S3 charges by the request), of up to
+        # max_request_bytes; rows a request each go in parts of about PIECE_BYTES, spread over the threads
+        if self.local:
+            chunks = box.chunks(STREAM_PART_BYTES if box.stream else PIECE_BYTES)
+        else:
+            chunks = box.chunks(self.max_request_bytes if box.stream else min(PIECE_BYTES, self.max_request_bytes))
         entry = _OpenItem(box.item, target, len(chunks))
         for a, b in chunks:
             # bytes to order the work by; what was asked of storage is counted when done (_complete)
@@ -509,15 +511,21 @@ class ReadRun:
             # each object crosses the unpickler once. Stock planners unpickle with weights_only=False.
             # An optimizer's hyper-parameters are thousands of copies of a few small blobs: as bytes, each
             # checked once; a larger record is read from its read buffer as it is (no copy: a 512 MiB
-            # user_content took 0.23 s to copy), which the planner may keep (a resume's user_content)
+            # user_content took 0.23 s to copy), which the planner may keep (a resume's user_content). A
+            # record of less than half its buffer is copied out, and the buffer goes back to the pool: kept,
+            # its view pinned the whole request (up to max_request_bytes) for a few KiB (rev69b)
             small = bytes(data) if data.nbytes <= MEMO_BYTES else None
+            base = data.obj
+            copied = small is None and isinstance(base, (bytes, bytearray)) and 2 * data.nbytes < len(base)
+            if copied:
+                data = memoryview(bytearray(data))
             if not self.allow_pickle and not getattr(planner, "loads_weights_only", False):
                 if small is None or small not in self._checked:
                     check_weights_only(data if small is None else small, where=where)
                 if small is not None:
                     self._checked.add(small)
             planner.load_bytes(req, io.BytesIO(small) if small is not None else ViewFile(data))  # type: ignore[arg-type]
-            return small is None
+            return small is None and not copied
         if it.raw:
             target = planner.resolve_tensor(req).detach()
             dst = writable_bytes(it, target) if in_place(target) else None

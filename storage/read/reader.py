@@ -69,6 +69,9 @@ log = logging.getLogger(__name__)
 # default request size caps (see max_request_bytes)
 LOCAL_REQUEST_BYTES = 32 << 20
 REMOTE_REQUEST_BYTES = 64 << 20
+#: the default cost of one more request on an object store (see request_cost_bytes): a ranged GET's first
+#: byte takes about 10-20 ms, in which one connection streams about 1 MiB (an estimate, not measured on S3)
+REMOTE_REQUEST_COST_BYTES = 1 << 20
 
 
 class ReaderOptions(TypedDict, total=False):
@@ -79,7 +82,7 @@ class ReaderOptions(TypedDict, total=False):
     allow_pickle: bool
     translation: Translation | None
     hf_prefix: str
-    request_cost_bytes: int
+    request_cost_bytes: int | None
     thread_count: int | None
 
 
@@ -109,9 +112,10 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             a column slice on local disk share requests when they are at most this many bytes apart, or
             less than a page (``_plan.ROW_GAP``).
         request_cost_bytes: what one more small read request costs, in bytes a device streams in the
-            same time (default 16 KiB). A column slice on local disk whose rows are fewer bytes apart
-            than this is read as sequential spans of whole rows, gaps included, its columns copied out;
-            wider gaps read a request per row. 0: a request per row always (fewest device bytes).
+            same time (``None``: 16 KiB on local filesystems, 1 MiB on object stores). A column slice
+            whose rows are fewer bytes apart than this is read as sequential spans of whole rows, gaps
+            included, its columns copied out; wider gaps read a request per row (on object stores, of a
+            tiled or unverified record). 0: a request per row always (fewest device bytes).
         translation, hf_prefix: for a plain Hugging Face folder: see :class:`~smpckpt.storage.FullArtifactReader`.
         staging_bytes: the cap on host memory a load into CUDA tensors stages through (default 128 MiB):
             reads are copied through pinned buffers of this many bytes in all to the device on a side
@@ -137,7 +141,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         allow_pickle: bool = False,
         translation: Translation | None = None,
         hf_prefix: str = "",
-        request_cost_bytes: int = REQUEST_COST_BYTES,
+        request_cost_bytes: int | None = None,
         thread_count: int | None = None,
     ) -> None:
         self.staging_bytes = check_int("staging_bytes", staging_bytes, minimum=MIN_STAGING_BYTES)
@@ -147,7 +151,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         # raw items at least this large are read straight into their destination when it allows
         self.direct_min_bytes = DIRECT_MIN_BYTES
         super().__init__()
-        self.request_cost_bytes = check_int("request_cost_bytes", request_cost_bytes, minimum=0)
+        self._cost_asked = check_int("request_cost_bytes", request_cost_bytes, minimum=0, optional=True)
         self._threads_asked = check_int("thread_count", thread_count, minimum=1, optional=True)
         check_flag("verify_checksums", verify_checksums)
         check_flag("allow_pickle", allow_pickle)
@@ -169,6 +173,13 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
     @thread_count.setter
     def thread_count(self, value: int) -> None:
         self._threads_asked = check_int("thread_count", value, minimum=1)
+
+    @property
+    def request_cost_bytes(self) -> int:
+        """The cost of one more read request: the one given, else the default for this URL's backend."""
+        if self._cost_asked is not None:
+            return int(self._cost_asked)
+        return REQUEST_COST_BYTES if is_local(self.fs) else REMOTE_REQUEST_COST_BYTES
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)

@@ -496,6 +496,27 @@ def test_an_async_save_refuses_a_tensor_it_cannot_stage_by_key(tmp_path, kind: s
             ck.save("t", model).result()
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_async_save_stages_an_efficient_zero_tensor_as_its_zeros(tmp_path: Any, overlap: bool) -> None:
+    """fix70h: an efficient zero tensor (``torch._efficientzerotensor``: some autograd paths' zero gradients)
+    has no storage, and staging failed on it, "invalid python storage", where a synchronous save saves it.
+    Now it stages as its zeros; loaded back bit-exact."""
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("zero", torch._efficientzerotensor((3, 4)))
+    model.register_buffer("zero_too", torch._efficientzerotensor((3, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = smpckpt.AsyncOptions(enabled=True, overlap_staging=overlap)
+    with smpckpt.Checkpointer(str(tmp_path), async_options=options) as ck:
+        ck.save("t", model, opt).result()
+    fresh = torch.nn.Linear(2, 2)
+    fresh.register_buffer("zero", torch.full((3, 4), 7.0))
+    fresh.register_buffer("zero_too", torch.full((3, 4), 7.0))
+    resume_from_checkpoint(str(tmp_path), "t", model=fresh)
+    assert torch.equal(fresh.zero, torch.zeros(3, 4)) and torch.equal(fresh.zero_too, torch.zeros(3, 4))
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
 _BOUND = 3.0  # the job's process-group timeout in the two tests below: the hung-peer bound
 
 

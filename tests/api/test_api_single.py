@@ -724,3 +724,38 @@ def test_a_user_content_of_mibs_round_trips_bit_exactly(tmp_path: Any, how: str)
     if how == "full":
         stock = torch.load(tmp_path / "t" / "user_content.pt", weights_only=True)
         assert all(torch.equal(stock[k], want[k]) for k in want)
+
+
+def test_a_resumed_user_content_of_kibs_gives_its_read_buffer_back(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev69b: an object record over 4 KiB was handed on as a view of the read buffer it landed in, and the
+    buffer was never given back to the pool (a resume keeps its user_content's view: the whole request, at
+    least the pool's 1 MiB, pinned for a few KiB). Now a record of less than half its buffer is copied out:
+    every buffer the resume took goes back to the pool, and the user_content is bit-exact."""
+    from smpckpt.storage.read._fetch import BufferPool
+
+    uc = {"ema": torch.arange(5000, dtype=torch.float32), "step": 7}  # a record of about 20 KiB
+    m, o = _model(0)
+    save_checkpoint(str(tmp_path), "t", model=m, optimizer=o, user_content=uc)
+    out: dict[int, int] = {}  # id of each buffer taken -> times taken minus times given back
+    alive: list[bytearray] = []
+    take, give_back = BufferPool.take, BufferPool.give_back
+
+    def counted_take(pool: BufferPool, n: int) -> bytearray:
+        buf = take(pool, n)
+        out[id(buf)] = out.get(id(buf), 0) + 1
+        alive.append(buf)  # no id reused by a later buffer
+        return buf
+
+    def counted_give_back(pool: BufferPool, data: memoryview) -> None:
+        out[id(data.obj)] = out.get(id(data.obj), 0) - 1
+        give_back(pool, data)
+
+    monkeypatch.setattr(BufferPool, "take", counted_take)
+    monkeypatch.setattr(BufferPool, "give_back", counted_give_back)
+    m2, o2 = _model(1)
+    got = resume_from_checkpoint(str(tmp_path), "t", model=m2, optimizer=o2)
+    assert out and all(n == 0 for n in out.values()), f"{sum(out.values())} read buffer(s) not given back"
+    assert set(got) == {"ema", "step"} and torch.equal(got["ema"], uc["ema"]) and got["step"] == 7
+    assert _equal(m, m2)

@@ -367,6 +367,56 @@ def test_on_s3_column_slices_read_in_bounded_requests_are_bit_exact(s3: tuple[st
 
 
 @pytest.mark.s3
+def test_on_s3_rows_farther_apart_than_a_request_costs_are_read_a_request_each(s3: tuple[str, dict[str, Any]]) -> None:
+    """rev69b: an S3 column slice shared a request between rows whenever their span fit
+    ``max_request_bytes``, whatever the gap: TP=4 of fp32 rows of 64 KiB under a 256 KiB cap requested
+    3.25x the bytes it needed (TP=8: 6.25x), and rows of 2 MiB at the 64 MiB default 4x (the whole record).
+    Now object stores take the local disk's cost model (``streams``): rows whose unread gap costs more than
+    one more request (``request_cost_bytes``; 1 MiB by default there) take a request each, of the slice's
+    tile columns, so the bytes requested are the bytes needed; rows closer than that still share requests."""
+    base, opts = s3
+    gen = torch.Generator().manual_seed(11)
+    g = {
+        "col": torch.randn(64, 16384, generator=gen),  # rows of 64 KiB in 8 column groups
+        "col_big": torch.randn(4, 1 << 19, generator=gen),  # rows of 2 MiB
+        "col_bf16": torch.randn(512, 3000, generator=gen).to(torch.bfloat16),  # rows of 6,000 bytes, untiled
+    }
+    url = f"{base}/ck"
+
+    def _partial(url: str, opts: dict[str, Any], dest: dict[str, torch.Tensor], tp: int, rank: int, **kw: Any) -> Any:
+        reader = FsspecStorageReader(url, storage_options=opts, **kw)
+        planner = ParallelLoadPlanner(ParallelLayout(tp=tp), SPECS, rank=rank, allow_partial_load=True)
+        dcp.load({"m": dest}, storage_reader=reader, planner=planner)
+        return reader.last_read_stats
+
+    planner = ParallelSavePlanner(ParallelLayout(), SPECS)
+    dcp.save({"m": g}, storage_writer=FsspecStorageWriter(url, storage_options=opts), planner=planner)
+    for key, tp, rank, cap, cost, rows in (
+        ("col", 4, 1, 256 << 10, 16 << 10, 64),
+        ("col", 8, 3, 256 << 10, 16 << 10, 64),
+        ("col_big", 4, 1, None, None, 4),
+        ("col_big", 8, 6, 256 << 10, None, 4),
+    ):
+        for verify in (True, False):
+            want = g[key].chunk(tp, dim=1)[rank]
+            dest = {key: torch.full_like(want, float("nan"))}
+            kw = {"request_cost_bytes": cost} if cost is not None else {}
+            stats = _partial(url, opts, dest, tp, rank, max_request_bytes=cap, verify_checksums=verify, **kw)
+            assert torch.equal(dest[key], want), (key, tp, rank, verify)
+            # the slice's own bytes (its tile columns are exactly its columns), a request a row
+            assert stats.bytes_needed == want.numel() * 4, (key, tp, verify, stats)
+            assert stats.bytes_read <= 1.05 * stats.bytes_needed, (key, tp, cap, verify, stats)
+            assert stats.bytes_read == stats.bytes_needed and stats.requests == rows, (key, tp, cap, verify, stats)
+    # rows closer than a request costs share requests as before: TP=4 of rows of 6,000 bytes (a gap of 4,500)
+    # in about 256 KiB spans, not 512 requests of 1,500 bytes
+    want = g["col_bf16"].chunk(4, dim=1)[1]
+    dest = {"col_bf16": torch.empty_like(want)}
+    stats = _partial(url, opts, dest, 4, 1, max_request_bytes=256 << 10, request_cost_bytes=16 << 10)
+    assert torch.equal(dest["col_bf16"], want)
+    assert stats.requests <= 16 and stats.bytes_read >= 512 * 6000 * 3 // 4, stats
+
+
+@pytest.mark.s3
 def test_on_s3_a_damaged_block_across_two_requests_of_a_column_slice_is_refused(
     s3: tuple[str, dict[str, Any]],
 ) -> None:

@@ -181,6 +181,11 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             return int(self._cost_asked)
         return REQUEST_COST_BYTES if is_local(self.fs) else REMOTE_REQUEST_COST_BYTES
 
+    @request_cost_bytes.setter
+    def request_cost_bytes(self, value: int | None) -> None:
+        # settable after construction, as before it became a per-backend default (rev71e L1)
+        self._cost_asked = None if value is None else check_int("request_cost_bytes", value, minimum=0)
+
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
         self.manifest: Manifest | None = None

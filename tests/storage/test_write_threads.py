@@ -76,3 +76,9 @@ def test_local_readers_use_at_most_the_ranks_cpus_and_at_least_two(
     reader.reset(str(tmp_path))
     assert reader.thread_count == 7
     assert FsspecStorageReader("memory://threads").thread_count == MAX_WRITE_THREADS
+    # the request cost is settable too (rev71e L1: it became a per-backend default without a setter)
+    reader.request_cost_bytes = 0
+    assert reader.request_cost_bytes == 0
+    reader.request_cost_bytes = None
+    assert reader.request_cost_bytes == 16 << 10  # local disk's default
+    assert FsspecStorageReader("memory://threads").request_cost_bytes == 1 << 20  # object stores'

@@ -174,11 +174,10 @@ def _gather_torch(tensors: list[torch.Tensor], where: list[int]) -> list[tuple[n
     return out
 
 
-#: dtypes whose bytes are not one element each (packed, quantized): never sampled through a view
+#: quantized dtypes (refused before the check): never sampled through a view. Packed float4 is one element a
+#: byte (two values), so its byte view samples it as the small path's reshape does
 _NOT_VIEWABLE = frozenset(
-    dt
-    for name in ("quint8", "qint8", "qint32", "quint4x2", "quint2x4", "float4_e2m1fn_x2")
-    if (dt := getattr(torch, name, None))
+    dt for name in ("quint8", "qint8", "qint32", "quint4x2", "quint2x4") if (dt := getattr(torch, name, None))
 )
 #: the integer type of each element size: every dtype is sampled as its bits through a view of this type
 #: (``torch.take`` has no kernel for some: float8, uint16-64, complex32 on torch 2.13)

@@ -399,16 +399,10 @@ def apply_state(
                 sd, can = state[RESERVED.optim], (torch.Tensor.is_floating_point, torch.Tensor.is_complex)  # not int8
                 frozen = [p for o in req.optimizers for p in o.state if not p.requires_grad and any(f(p) for f in can)]
                 ints = [(o, p) for o in req.optimizers for p in o.state if not any(f(p) for f in can)]
-                # the state tensors the load filled, in the dtype it checked (torch's load_state_dict then casts
-                # floating state to its parameter's: fp32 moments of a bf16 model were rounded to bf16, hunt71d)
-                ids = {id(v) for v in sd.values() if isinstance(v, torch.Tensor)}
-                filled = [
-                    (o, p, k, v)
-                    for o in req.optimizers
-                    for p, s in o.state.items()
-                    for k, v in s.items()
-                    if id(v) in ids
-                ]
+                # state saved in a dtype other than its parameter's, as loaded (torch's load_state_dict casts floating
+                # state to its parameter's: fp32 moments of a bf16 model were rounded to bf16, hunt71d; nested too)
+                own = {id(sd.get(k.partition(".")[2])) for k in (report.own_dtype if report else ())} - {id(None)}
+                filled = [(o, p, *leaf) for o in req.optimizers for p, s in o.state.items() for leaf in _leaves(s, own)]
                 try:
                     for p in frozen:
                         p.requires_grad_(True)
@@ -419,10 +413,12 @@ def apply_state(
                     for p in frozen:
                         p.requires_grad_(False)
                 _put_back(req.model, ints, sd)
-                for o, p, key, value in filled:  # the loaded tensor itself where the cast replaced it (never "step")
-                    if key != "step" and (cast := (now := o.state.get(p, {})).get(key)) is not None:
-                        if getattr(cast, "dtype", value.dtype) != value.dtype:
-                            now[key] = value.to(device=cast.device)  # where torch put it (a no-op: it was there)
+                for o, p, path, value in filled:  # the loaded tensor itself where the cast replaced it ("step": never)
+                    now = o.state.get(p, {})
+                    for part in path[:-1]:
+                        now = now.get(part, {})
+                    if isinstance(cast := now.get(path[-1]), torch.Tensor) and cast.dtype != value.dtype:
+                        now[path[-1]] = value.to(device=cast.device)  # where torch put it (a no-op: it was there)
                 drop_optimizer_state(req.model, req.optimizers, unsaved)
             else:
                 set_model_state_dict(req.model, model_sd, options=opts)
@@ -447,6 +443,12 @@ def apply_state(
     stored, nested = state[RESERVED.user_content], target is not None and target.api == API_RECORD_V1
     user_content = decode_user_content(stored if stored else None, allow_pickle=req.opts.allow_pickle, nested=nested)
     return user_content, restored
+
+
+def _leaves(state: Mapping[str, Any], ids: set[int], at: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """The tensors among ``ids`` in one parameter's optimizer state, nested dicts included, with their paths."""
+    found = [(at + (k,), v) for k, v in state.items() if id(v) in ids]
+    return found + [x for k, v in state.items() if isinstance(v, Mapping) for x in _leaves(v, ids, at + (k,))]
 
 
 def _put_back(model: Any, held: list[tuple[Any, torch.Tensor]], sd: Mapping[str, Any]) -> None:

@@ -79,7 +79,8 @@ class AmbiguousCheckpoint(UsageError, ValueError):
 def resolve_checkpoint_url(spec: str, storage_options: Mapping[str, Any]) -> str:
     """``PATH/TAG`` -> ``PATH/TAG_partial`` when that exists; else ``spec`` itself (a checkpoint folder). A tag's
     partial and full checkpoints may both exist (smp's layout, side by side) holding other weights: then
-    ``PATH/TAG`` is refused, naming both, and ``PATH/TAG/`` (as a shell completes a folder) names the full one."""
+    ``PATH/TAG`` is refused, naming both, and ``PATH/TAG/`` (as a shell completes a folder) names the full one;
+    a full folder neither committed nor legacy (a save that did not finish, a plain HF folder) leaves the partial."""
     folder = spec.endswith("/")
     spec = spec.rstrip("/") or spec
     if spec.endswith(PARTIAL_SUFFIX):
@@ -87,13 +88,14 @@ def resolve_checkpoint_url(spec: str, storage_options: Mapping[str, Any]) -> str
     candidate = spec + PARTIAL_SUFFIX
     if checkpoint_state(candidate, storage_options) == "missing":
         return spec
-    if checkpoint_state(spec, storage_options) == "missing":
-        return candidate
-    if folder:
+    full = checkpoint_state(spec, storage_options)
+    if folder and full != "missing":  # named as a folder: that one, whatever its state (verify reports it)
         return spec
+    if full not in ("committed", "legacy"):  # none, or a save that did not finish (a plain HF folder alike)
+        return candidate
     raise AmbiguousCheckpoint(
         f"{spec} names two checkpoints: {candidate} (partial) and {spec} (full), which may hold different "
-        f"weights: name {candidate} for the partial one or {spec}/ (with the slash) for the full one"
+        f"weights: name {candidate} for the partial one or {spec}/ (as a str ending in '/') for the full one"
     )
 
 

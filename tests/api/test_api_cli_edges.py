@@ -137,6 +137,7 @@ def test_a_tag_naming_a_partial_and_a_full_checkpoint_is_refused_not_resolved_to
     for command in ("convert", "consolidate", "inspect", "verify"):
         rc, _, err = _run(command, spec, *((str(tmp_path / command),) if command in ("convert", "consolidate") else ()))
         assert rc == 2 and "names two checkpoints" in err and f"{spec}_partial" in err and f"{spec}/" in err, err
+        assert "(as a str ending in '/')" in err, err  # a pathlib.Path drops the slash (rev71d L3)
     for name, want in ((f"{spec}_partial", saved), (f"{spec}/", full)):
         out = str(tmp_path / f"{len(name)}.pt")
         convert_checkpoint(name, out)
@@ -146,3 +147,16 @@ def test_a_tag_naming_a_partial_and_a_full_checkpoint_is_refused_not_resolved_to
     save_checkpoint(root, "p", model=m)  # a partial one alone: PATH/TAG (with or without the slash) names it, as before
     rc, out, _ = _run("inspect", os.path.join(root, "p/"))
     assert rc == 0 and out.startswith(f"checkpoint: {os.path.join(root, 'p_partial')} (committed)"), out
+    # beside a full folder not committed (a save that did not finish, a plain HF folder) PATH/TAG is the partial
+    # one (rev71d L1: refused as two checkpoints); PATH/TAG/ still names that folder
+    hf = os.path.join(root, "p")
+    os.makedirs(hf)
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        f.write("{}")
+    for command in ("inspect", "verify"):
+        rc, out, err = _run(command, hf)
+        assert rc == 0 and f"{hf}_partial" in out and "names two" not in err, (command, out, err)
+    converted = str(tmp_path / "p.pt")
+    convert_checkpoint(hf, converted)
+    assert torch.equal(torch.load(converted)["model"]["0.weight"], full)
+    assert _run("inspect", f"{hf}/")[0] != 0  # the folder named: not a checkpoint (uncommitted)

@@ -377,6 +377,17 @@ def test_replicated_complex32_is_checked_and_undigestable_dtypes_are_refused_by_
     drifted.view(torch.uint8)[39, 39] ^= 0x11  # the last element, one of the sampled ones
     with pytest.raises(ReplicaMismatch, match=r"'model\.q'"):
         _save(tmp_path / "qd", [{"model": {"q": q}}, {"model": {"q": drifted}}], ParallelLayout(dp=2))
+    # replicas differing only by a zero's sign (-0.0 is +0.0, per nibble: 0x8 a negative zero) are equal values
+    # (rev71d L4: refused as drift), sampled (the last element) or small (every element); another nibble still counts
+    for n in (1600, 8):
+        pos = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        pos[-3:] = torch.tensor([0x00, 0x30, 0x03], dtype=torch.uint8)
+        neg = pos.clone()
+        neg[-3:] = torch.tensor([0x88, 0x38, 0x83], dtype=torch.uint8)
+        a, b = pos.view(torch.float4_e2m1fn_x2), neg.view(torch.float4_e2m1fn_x2)
+        _save(tmp_path / f"z{n}", [{"model": {"q": a}}, {"model": {"q": b}}], ParallelLayout(dp=2))
+        neg[-1] = 0x13
+        assert value_digests([a]) != value_digests([b]), n
     # a quantized one is refused before the check (its scale would not be saved: tests/test_planner_checks.py)
     q = torch.quantize_per_tensor(torch.randn(40, 40), 0.1, 0, torch.quint8)
     with pytest.raises(SpecError, match=r"model\.q: a quantized tensor \(torch\.quint8"):

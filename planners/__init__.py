@@ -7,10 +7,10 @@ if __name__ != "smpckpt.planners":
     )
 
 from smpckpt.planners._entries import ObjectBytes, dtensor_layout
-from smpckpt.planners._key_notes import likely_causes, module_note
+from smpckpt.planners._key_notes import likely_causes, module_note, warn_skipped
 from smpckpt.planners.load import LoadReport, ParallelLoadPlanner
 from smpckpt.planners.save import ObjectBuffer, ParallelSavePlanner, SaveReport
 
 __all__ = ["ParallelSavePlanner", "ParallelLoadPlanner", "LoadReport", "SaveReport", "ObjectBytes", "likely_causes"]
 __all__ += ["module_note", "ObjectBuffer"]
-__all__ += ["dtensor_layout"]
+__all__ += ["dtensor_layout", "warn_skipped"]

@@ -1,12 +1,15 @@
 """The words of a refused or partial load: what a list of missing or unexpected keys most likely means
 (an LR scheduler's ``initial_lr``, optimizer state saved unflattened, a container saved the other way,
-``module.`` added by a wrapper), and of a save whose ranks of one stage disagree (:func:`stage_differences`).
+``module.`` added by a wrapper), of a save whose ranks of one stage disagree (:func:`stage_differences`), and
+what a ``strict=False`` resume skipped (:func:`warn_skipped`).
 Error paths only: nothing here runs on a load or save that succeeds."""
 
 from __future__ import annotations
 
 import bisect
+import logging
 import re
+import warnings
 from collections.abc import Container, Iterable, Mapping, Sequence, Set
 from typing import Any
 
@@ -18,7 +21,7 @@ from smpckpt.model.layout import RESERVED, UNREAD_KEY
 from smpckpt.planners._entries import SHOW
 
 __all__ = ["likely_causes", "nesting_mismatches", "module_note", "show_keys", "stage_differences"]
-__all__ += ["refuse_unread", "unread_note"]
+__all__ += ["refuse_unread", "unread_note", "warn_skipped"]
 
 
 def _unread(metadata: Any) -> Mapping[str, Any]:
@@ -193,3 +196,27 @@ def stage_differences(plans: list[SavePlan], ranks: set[int], shown: int = 5) ->
             ]
             lines.append(f"{alias!r}: {', '.join(sorted(seen, key=lambda s: s.startswith('a ')))}")
     return f" ({'; '.join(lines)})" if lines else ""
+
+
+def warn_skipped(
+    coordinator: bool, url: str, kept: list[str], unexpected: list[str], dropped: list[str], full: bool
+) -> None:
+    """(every rank, in a checked step) Name, on rank 0, what a ``strict=False`` resume skipped: a checkpoint
+    of other keys (a stock ``dcp.save(model.state_dict())``, unflattened optimizer state) loads nothing of
+    them, which ``ResumeInfo.skipped_keys`` alone would not tell anyone (a full resume makes no ResumeInfo)."""
+    if not coordinator:
+        return
+
+    def show(keys: list[str]) -> str:
+        return ", ".join(keys[:20]) + (f", ... ({len(keys)} in all)" if len(keys) > 20 else "")
+
+    noun = "artifact" if full else "checkpoint"
+    parts = [f"not in the {noun}{', kept as they were' if full else ''}: {show(kept)}"] if kept else []
+    parts += [f"in the {noun}, loaded by no rank: {show(unexpected)}"] if unexpected else []
+    dropped_by = "left unloaded by the translate_function (dropped, or not in the model)"
+    parts += [f"{dropped_by}: {show(dropped)}"] if dropped else []
+    message = f"{url}: strict=False skipped keys; " + "; ".join(parts) + module_note(kept, set(unexpected))
+    message += likely_causes(kept + unexpected, unexpected)
+    logging.getLogger("smpckpt.api").warning(message)  # the API's logger: its words
+    # the caller's frame: all_ok, its lambda, skipped_keys (smpckpt.api._resume), _resume (and resume_full), resume
+    warnings.warn(message, stacklevel=8 if full else 7)

@@ -175,11 +175,10 @@ def _gather_torch(tensors: list[torch.Tensor], where: list[int]) -> list[tuple[n
     return out
 
 
-#: dtypes whose bytes are not one element each (packed, quantized): never sampled through a view
+#: quantized dtypes (refused before the check): never sampled through a view. Packed float4 is one element a
+#: byte (two values), so its byte view samples it as the small path's reshape does
 _NOT_VIEWABLE = frozenset(
-    dt
-    for name in ("quint8", "qint8", "qint32", "quint4x2", "quint2x4", "float4_e2m1fn_x2")
-    if (dt := getattr(torch, name, None))
+    dt for name in ("quint8", "qint8", "qint32", "quint4x2", "quint2x4") if (dt := getattr(torch, name, None))
 )
 #: the integer type of each element size: every dtype is sampled as its bits through a view of this type
 #: (``torch.take`` has no kernel for some: float8, uint16-64, complex32 on torch 2.13)
@@ -208,6 +207,9 @@ def _canonical_rows(dtype: torch.dtype, raw: np.ndarray, valid: np.ndarray) -> n
     raw = np.ascontiguousarray(raw)
     if bits is not None:
         out = _canonical_bits(raw.view(bits[0]), *bits).reshape(rows, SAMPLES, -1)
+    elif dtype == _FP4:  # two e2m1 values a byte, no NaN: a zero nibble's sign cleared (-0.0 is +0.0, rev71d L4)
+        out = np.where((raw & 0x0F) == 0x08, raw & 0xF0, raw)
+        out = np.where((out & 0xF0) == 0x80, out & 0x0F, out)
     else:  # integers, booleans and floats with one encoding per value (float8 *fnuz, e8m0) are their bits
         out = raw.copy()
     out[~valid] = 0
@@ -218,6 +220,8 @@ def _canonical_rows(dtype: torch.dtype, raw: np.ndarray, valid: np.ndarray) -> n
     return flat
 
 
+#: packed float4 (``None`` where torch lacks it): its zeros are canonicalised per nibble
+_FP4 = getattr(torch, "float4_e2m1fn_x2", None)
 #: floating dtypes with two encodings of a value (complex ones by part), canonicalised on their bits: (unsigned
 #: word type, the word's sign bit, the largest magnitude bits that are not a NaN, the NaN written): one integer
 #: pass on one thread (see the module docstring)

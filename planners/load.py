@@ -88,6 +88,8 @@ class LoadReport:
     #: optimizer state keys of parameters the checkpoint holds param groups but no state for (they had
     #: none when saved): not refused as missing; the resume leaves those parameters without state
     stateless_saved: tuple[str, ...] = ()
+    #: optimizer state keys (this rank's) saved in a dtype other than their parameter's: kept as loaded
+    own_dtype: tuple[str, ...] = ()
 
 
 class ParallelLoadPlanner(LayoutScope, LoadPlanner):
@@ -272,6 +274,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             tuple(skipped),
             tied,
             tuple(sorted(never)),
+            tuple(RESERVED.in_own_dtype({e.local_key: sources.get(k, k) for k, e in self.entries.items()}, md_all)),
         )
         if resharded:
             logger.info("rank %d: resharding %d tensors (fast path for %d)", self.rank, len(resharded), fast)

@@ -355,19 +355,39 @@ def test_strided_tensors_of_dtypes_take_has_no_kernel_for_digest_as_contiguous_o
 
 def test_replicated_complex32_is_checked_and_undigestable_dtypes_are_refused_by_key(tmp_path: Path) -> None:
     """complex32 has no ``torch.take`` kernel: a replicated one failed every save with the check on, with
-    torch's bare error; now it is sampled through its bits (a drift is still caught). A dtype the check
-    cannot sample at all (packed float4) is refused naming its key and the way out."""
+    torch's bare error; now it is sampled through its bits (a drift is still caught), as packed float4 is (a
+    byte an element). A quantized one is refused before the check."""
     c = torch.randn(40, 40, dtype=torch.complex64).to(torch.complex32)
     _save(tmp_path / "same", [{"model": {"c": c.clone()}} for _ in range(2)], ParallelLayout(dp=2))
     drifted = c.clone()
     drifted.view(torch.int32).add_(1)
     with pytest.raises(ReplicaMismatch, match=r"'model\.c'"):
         _save(tmp_path / "drift", [{"model": {"c": c}}, {"model": {"c": drifted}}], ParallelLayout(dp=2))
-    q = torch.zeros(40, 40, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)  # packed: two values a byte
-    with pytest.raises(
-        TypeError, match=r"model\.q: the replica value check cannot sample a torch\.float4_e2m1fn_x2.*verify_replicas="
-    ):
-        _save(tmp_path / "q", [{"model": {"q": q.clone(), "w": torch.ones(3)}} for _ in range(2)], ParallelLayout(dp=2))
+    # packed float4 (two values a byte, one element each) is sampled by its bytes: a replicated one saved only with
+    # 16 elements or fewer (hunt71d: 40x40 failed "cannot sample", take has no kernel), and a drift is still caught
+    q = torch.randint(0, 256, (40, 40), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    for i, view in enumerate((q, q.t(), q[:, 3:30])):
+        _save(
+            tmp_path / f"q{i}",
+            [{"model": {"q": view.clone(), "w": torch.ones(3)}} for _ in range(2)],
+            ParallelLayout(dp=2),
+        )
+    assert value_digests([q.t()]) == value_digests([q.t().contiguous()])
+    drifted = q.clone()
+    drifted.view(torch.uint8)[39, 39] ^= 0x11  # the last element, one of the sampled ones
+    with pytest.raises(ReplicaMismatch, match=r"'model\.q'"):
+        _save(tmp_path / "qd", [{"model": {"q": q}}, {"model": {"q": drifted}}], ParallelLayout(dp=2))
+    # replicas differing only by a zero's sign (-0.0 is +0.0, per nibble: 0x8 a negative zero) are equal values
+    # (rev71d L4: refused as drift), sampled (the last element) or small (every element); another nibble still counts
+    for n in (1600, 8):
+        pos = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        pos[-3:] = torch.tensor([0x00, 0x30, 0x03], dtype=torch.uint8)
+        neg = pos.clone()
+        neg[-3:] = torch.tensor([0x88, 0x38, 0x83], dtype=torch.uint8)
+        a, b = pos.view(torch.float4_e2m1fn_x2), neg.view(torch.float4_e2m1fn_x2)
+        _save(tmp_path / f"z{n}", [{"model": {"q": a}}, {"model": {"q": b}}], ParallelLayout(dp=2))
+        neg[-1] = 0x13
+        assert value_digests([a]) != value_digests([b]), n
     # a quantized one is refused before the check (its scale would not be saved: tests/test_planner_checks.py)
     q = torch.quantize_per_tensor(torch.randn(40, 40), 0.1, 0, torch.quint8)
     with pytest.raises(SpecError, match=r"model\.q: a quantized tensor \(torch\.quint8"):

@@ -33,7 +33,7 @@ from smpckpt.catalog import root as catalog
 from smpckpt.catalog._abandoned import decided_by_copy, read_abandoned, split_lineage
 from smpckpt.errors import CheckpointError, CheckpointNotFound, loaded_in_place
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
-from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, dtensor_layout, likely_causes, module_note
+from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, dtensor_layout, warn_skipped
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
 __all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
@@ -399,6 +399,10 @@ def apply_state(
                 sd, can = state[RESERVED.optim], (torch.Tensor.is_floating_point, torch.Tensor.is_complex)  # not int8
                 frozen = [p for o in req.optimizers for p in o.state if not p.requires_grad and any(f(p) for f in can)]
                 ints = [(o, p) for o in req.optimizers for p in o.state if not any(f(p) for f in can)]
+                # state saved in a dtype other than its parameter's, as loaded (torch's load_state_dict casts floating
+                # state to its parameter's: fp32 moments of a bf16 model were rounded to bf16, hunt71d; nested too)
+                own = {id(sd.get(k.partition(".")[2])) for k in (report.own_dtype if report else ())} - {id(None)}
+                filled = [(o, p, *leaf) for o in req.optimizers for p, s in o.state.items() for leaf in _leaves(s, own)]
                 try:
                     for p in frozen:
                         p.requires_grad_(True)
@@ -409,6 +413,12 @@ def apply_state(
                     for p in frozen:
                         p.requires_grad_(False)
                 _put_back(req.model, ints, sd)
+                for o, p, path, value in filled:  # the loaded tensor itself where the cast replaced it ("step": never)
+                    now = o.state.get(p, {})
+                    for part in path[:-1]:
+                        now = now.get(part, {})
+                    if isinstance(cast := now.get(path[-1]), torch.Tensor) and cast.dtype != value.dtype:
+                        now[path[-1]] = value.to(device=cast.device)  # where torch put it (a no-op: it was there)
                 drop_optimizer_state(req.model, req.optimizers, unsaved)
             else:
                 set_model_state_dict(req.model, model_sd, options=opts)
@@ -433,6 +443,12 @@ def apply_state(
     stored, nested = state[RESERVED.user_content], target is not None and target.api == API_RECORD_V1
     user_content = decode_user_content(stored if stored else None, allow_pickle=req.opts.allow_pickle, nested=nested)
     return user_content, restored
+
+
+def _leaves(state: Mapping[str, Any], ids: set[int], at: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """The tensors among ``ids`` in one parameter's optimizer state, nested dicts included, with their paths."""
+    found = [(at + (k,), v) for k, v in state.items() if id(v) in ids]
+    return found + [x for k, v in state.items() if isinstance(v, Mapping) for x in _leaves(v, ids, at + (k,))]
 
 
 def _put_back(model: Any, held: list[tuple[Any, torch.Tensor]], sd: Mapping[str, Any]) -> None:
@@ -541,7 +557,7 @@ def skipped_keys(
     kept = sorted({k for c in counts for k in c[3]})
     dropped = sorted({k for c in counts for k in c[4]})
     if kept or unexpected or dropped:
-        ctx.all_ok(lambda: _warn_skipped(ctx.is_coordinator, url, kept, unexpected, dropped, full))
+        ctx.all_ok(lambda: warn_skipped(ctx.is_coordinator, url, kept, unexpected, dropped, full))
     skipped = sorted({k for c in counts for k in c[2]} | set(unexpected))
     return sum(c[0] for c in counts), sum(c[1] for c in counts), tuple(skipped)
 
@@ -574,27 +590,3 @@ def summarize(
     how = f"resharded {resharded} tensor(s) from {saved} to {req.layout} (fast path for {fast})"
     log.info("resumed %s: %s", target.url, how if resharded else f"fast path for all {fast} tensor(s) ({req.layout})")
     return info
-
-
-def _warn_skipped(
-    coordinator: bool, url: str, kept: list[str], unexpected: list[str], dropped: list[str], full: bool
-) -> None:
-    """(every rank, in a checked step) Name, on rank 0, what a ``strict=False`` resume skipped: a checkpoint
-    of other keys (a stock ``dcp.save(model.state_dict())``, unflattened optimizer state) loads nothing of
-    them, which ``ResumeInfo.skipped_keys`` alone would not tell anyone (a full resume makes no ResumeInfo)."""
-    if not coordinator:
-        return
-
-    def show(keys: list[str]) -> str:
-        return ", ".join(keys[:20]) + (f", ... ({len(keys)} in all)" if len(keys) > 20 else "")
-
-    noun = "artifact" if full else "checkpoint"
-    parts = [f"not in the {noun}{', kept as they were' if full else ''}: {show(kept)}"] if kept else []
-    parts += [f"in the {noun}, loaded by no rank: {show(unexpected)}"] if unexpected else []
-    dropped_by = "left unloaded by the translate_function (dropped, or not in the model)"
-    parts += [f"{dropped_by}: {show(dropped)}"] if dropped else []
-    message = f"{url}: strict=False skipped keys; " + "; ".join(parts) + module_note(kept, set(unexpected))
-    message += likely_causes(kept + unexpected, unexpected)
-    log.warning(message)
-    # the caller's frame: all_ok, its lambda, skipped_keys, _resume (and resume_full), resume
-    warnings.warn(message, stacklevel=8 if full else 7)

@@ -494,7 +494,7 @@ def resume_full(ctx: DistContext, req: ResumeRequest) -> Any:
             if req.optimizers:  # the artifact holds tensors only: the rest of the optimizer's state is kept
                 _, current = get_state_dict(req.model, req.optimizers, options=OPTIONS)  # type: ignore[arg-type]
                 state[RESERVED.optim] = {**current, **state[RESERVED.optim]}
-            return apply_state(req, None, ctx, state, None, False, unsaved)[0]
+            return apply_state(req, None, ctx, state, planner.report, False, unsaved)[0]
 
         if holds_optim:
             ctx.all_ok(lambda: _numbers_not_saved(state, planner, unsaved, req.opts.strict))

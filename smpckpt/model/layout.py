@@ -213,6 +213,24 @@ class ReservedKeys:
                         out.append(key)
         return out
 
+    def in_own_dtype(self, keys: Mapping[str, str], saved: Mapping[str, Any]) -> list[str]:
+        """The optimizer state ``keys`` (a destination key -> the checkpoint key read for it) saved in a dtype
+        other than their parameter's, both as saved (``saved``: the checkpoint's metadata by key): an
+        optimizer keeping fp32 moments of a bf16 model. torch's ``load_state_dict`` casts floating state to
+        its parameter's dtype; the resume keeps these as loaded (only these: state saved in its parameter's
+        dtype follows the parameter, a model cast with ``allow_dtype_cast`` included, hunt71d)."""
+        state, params = f"{self.optim}.state.", f"{self.model}."
+        fqns = {k[len(params) :] for k in saved if k.startswith(params)}
+        out = []
+        for key, read in keys.items():
+            if read.startswith(state) and (fqn := self.state_owner(read[len(state) :], fqns)) is not None:
+                dtypes = [
+                    getattr(getattr(saved.get(k), "properties", None), "dtype", None) for k in (read, params + fqn)
+                ]
+                if None not in dtypes and dtypes[0] != dtypes[1]:
+                    out.append(key)
+        return out
+
 
 RESERVED = ReservedKeys()
 #: where FQN-keyed optimizer state lives (``get_state_dict`` with ``flatten_optimizer_state_dict=True``)

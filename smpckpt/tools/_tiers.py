@@ -43,7 +43,7 @@ from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format.manifest import MANIFEST_NAME, METADATA_NAME
 from smpckpt.storage.tools import check_blocks, load_problems
 
-__all__ = ["UsageError", "human", "layout_json", "resolve_checkpoint_url"]
+__all__ = ["UsageError", "AmbiguousCheckpoint", "human", "layout_json", "resolve_checkpoint_url"]
 __all__ += ["check_local_dirs", "split_tag_spec", "ranks_text", "write_table"]
 __all__ += ["FastRow", "ResumePick", "OtherJob", "fast_rows", "other_jobs", "resume_pick", "write_fast_table"]
 __all__ += ["FolderReport", "FastVerifyReport", "verify_fast", "write_fast_report", "write_verdict"]
@@ -72,14 +72,31 @@ def layout_json(manifest: Any) -> dict[str, Any] | None:
     return record.layout.to_dict() if record is not None else None
 
 
+class AmbiguousCheckpoint(UsageError, ValueError):
+    """``PATH/TAG`` where both the partial and the full checkpoint of ``TAG`` exist (exit 2 on the command line)."""
+
+
 def resolve_checkpoint_url(spec: str, storage_options: Mapping[str, Any]) -> str:
-    """``PATH/TAG`` -> ``PATH/TAG_partial`` when that exists; else ``spec`` itself (a checkpoint folder)."""
+    """``PATH/TAG`` -> ``PATH/TAG_partial`` when that exists; else ``spec`` itself (a checkpoint folder). A tag's
+    partial and full checkpoints may both exist (smp's layout, side by side) holding other weights: then
+    ``PATH/TAG`` is refused, naming both, and ``PATH/TAG/`` (as a shell completes a folder) names the full one;
+    a full folder neither committed nor legacy (a save that did not finish, a plain HF folder) leaves the partial."""
+    folder = spec.endswith("/")
     spec = spec.rstrip("/") or spec
-    if not spec.endswith(PARTIAL_SUFFIX):
-        candidate = spec + PARTIAL_SUFFIX
-        if checkpoint_state(candidate, storage_options) != "missing":
-            return candidate
-    return spec
+    if spec.endswith(PARTIAL_SUFFIX):
+        return spec
+    candidate = spec + PARTIAL_SUFFIX
+    if checkpoint_state(candidate, storage_options) == "missing":
+        return spec
+    full = checkpoint_state(spec, storage_options)
+    if folder and full != "missing":  # named as a folder: that one, whatever its state (verify reports it)
+        return spec
+    if full not in ("committed", "legacy"):  # none, or a save that did not finish (a plain HF folder alike)
+        return candidate
+    raise AmbiguousCheckpoint(
+        f"{spec} names two checkpoints: {candidate} (partial) and {spec} (full), which may hold different "
+        f"weights: name {candidate} for the partial one or {spec}/ (as a str ending in '/') for the full one"
+    )
 
 
 def check_local_dirs(dirs: Sequence[str]) -> list[str]:

@@ -291,7 +291,7 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return _verify_durable(args, resolve_checkpoint_url(args.checkpoint, args.storage_options), out, err)
     local = check_local_dirs(args.local)
     root, tag = split_tag_spec(args.checkpoint)
-    url = resolve_checkpoint_url(args.checkpoint, args.storage_options)
+    url = f"{root}/{tag}{PARTIAL_SUFFIX}"  # the fast tier holds partial saves: the durable one of the same (rev71d L2)
     state = checkpoint_state(url, args.storage_options)
     with _progress_bar(err, args.progress) as bar:
         fast = verify_fast(local, durable_key(root, args.storage_options), tag, progress=bar)

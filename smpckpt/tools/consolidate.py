@@ -112,7 +112,8 @@ def consolidate_checkpoint(
 ) -> ConsolidateReport:
     """Write the full artifact of the committed checkpoint ``src`` to the folder ``out`` (a local path or
     any URL the storage supports: on S3 each file is one streamed multipart upload). ``src`` is the
-    checkpoint folder or, as on the command line, ``PATH/TAG`` (``PATH/TAG_partial`` when that exists).
+    checkpoint folder or, as on the command line, ``PATH/TAG`` (``PATH/TAG_partial`` when that exists;
+    refused when a full ``PATH/TAG`` exists too).
 
     Checkpoints written by :func:`smpckpt.save_checkpoint` give ``model.safetensors`` (keys without the
     ``model.`` prefix), ``optimizer.safetensors`` with ``include_optimizer``, ``user_content.pt`` and

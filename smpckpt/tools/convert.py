@@ -152,7 +152,8 @@ def convert_checkpoint(
     overwrite: bool = False,
 ) -> ConvertReport:
     """Read the checkpoint folder ``src`` (committed smpckpt or stock DCP; checksums verified; as on
-    the command line, ``PATH/TAG`` names ``PATH/TAG_partial`` when that exists) and write it to ``out``
+    the command line, ``PATH/TAG`` names ``PATH/TAG_partial`` when that exists, refused when the full ``PATH/TAG`` exists
+    too: ``PATH/TAG/`` names that one) and write it to ``out``
     as ``to`` says. Returns what was written."""
     if to not in ("torch_save", "dcp"):
         raise ValueError(f"to must be 'torch_save' or 'dcp', got {to!r}")

@@ -8,12 +8,14 @@ import io
 import os
 from typing import Any
 
+import pytest
 import torch
 from damage import flip_byte
 from torch import nn
 
-from smpckpt import save_checkpoint
+from smpckpt import consolidate_checkpoint, save_checkpoint
 from smpckpt.tools.cli import main
+from smpckpt.tools.convert import convert_checkpoint
 
 
 def _run(*argv: str) -> tuple[int, str, str]:
@@ -112,3 +114,49 @@ def test_ls_refuses_a_file_or_a_checkpoint_instead_of_a_root(tmp_path: Any) -> N
     out = io.StringIO()
     assert main(["ls", str(tmp_path)], stdout=out, stderr=io.StringIO()) == 0
     assert "s1" in out.getvalue() and "committed" in out.getvalue()
+
+
+def test_a_tag_naming_a_partial_and_a_full_checkpoint_is_refused_not_resolved_to_the_partial(tmp_path: Any) -> None:
+    """smp's layout keeps a tag's partial (``{tag}_partial``) and full (``{tag}``) checkpoints side by side, and the
+    two can hold different weights (a deliverable exported with EMA weights, or at a later step). ``PATH/TAG`` was
+    resolved to the partial one even where the folder named exists and is committed, so ``convert`` and
+    ``consolidate`` wrote the other checkpoint's weights without a word (hunt71d). Now it is refused naming both;
+    ``PATH/TAG_partial`` names the partial one and ``PATH/TAG/`` (as a shell completes the folder) the full one."""
+    root = str(tmp_path / "root")
+    m = _saved(root)  # s_partial
+    saved = m[0].weight.detach().clone()
+    with torch.no_grad():
+        m[0].weight.mul_(3)
+    save_checkpoint(root, "s", partial=False, model=m)  # the full one: other weights
+    full = m[0].weight.detach().clone()
+    spec = os.path.join(root, "s")
+    for call in (convert_checkpoint, consolidate_checkpoint):
+        with pytest.raises(ValueError, match=r"names two checkpoints: .*s_partial \(partial\) and .*s \(full\)"):
+            call(spec, str(tmp_path / call.__name__))
+        assert not os.path.exists(tmp_path / call.__name__)
+    for command in ("convert", "consolidate", "inspect", "verify"):
+        rc, _, err = _run(command, spec, *((str(tmp_path / command),) if command in ("convert", "consolidate") else ()))
+        assert rc == 2 and "names two checkpoints" in err and f"{spec}_partial" in err and f"{spec}/" in err, err
+        assert "(as a str ending in '/')" in err, err  # a pathlib.Path drops the slash (rev71d L3)
+    for name, want in ((f"{spec}_partial", saved), (f"{spec}/", full)):
+        out = str(tmp_path / f"{len(name)}.pt")
+        convert_checkpoint(name, out)
+        assert torch.equal(torch.load(out)["model"]["0.weight"], want), name
+    rc, out, _ = _run("inspect", f"{spec}/")
+    assert rc == 0 and out.startswith(f"checkpoint: {spec} (committed)"), out
+    save_checkpoint(root, "p", model=m)  # a partial one alone: PATH/TAG (with or without the slash) names it, as before
+    rc, out, _ = _run("inspect", os.path.join(root, "p/"))
+    assert rc == 0 and out.startswith(f"checkpoint: {os.path.join(root, 'p_partial')} (committed)"), out
+    # beside a full folder not committed (a save that did not finish, a plain HF folder) PATH/TAG is the partial
+    # one (rev71d L1: refused as two checkpoints); PATH/TAG/ still names that folder
+    hf = os.path.join(root, "p")
+    os.makedirs(hf)
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        f.write("{}")
+    for command in ("inspect", "verify"):
+        rc, out, err = _run(command, hf)
+        assert rc == 0 and f"{hf}_partial" in out and "names two" not in err, (command, out, err)
+    converted = str(tmp_path / "p.pt")
+    convert_checkpoint(hf, converted)
+    assert torch.equal(torch.load(converted)["model"]["0.weight"], full)
+    assert _run("inspect", f"{hf}/")[0] != 0  # the folder named: not a checkpoint (uncommitted)

@@ -171,6 +171,13 @@ def test_verify_local_checks_the_fast_copy_and_the_durable_one(tiered: tuple[str
     assert lines[0].startswith(f"OK {root}/step2_partial: {nfiles + 1} files")
     assert lines[-1].startswith("OK fast tier step2: complete;")
 
+    # the tag exported in full too: --local verifies the durable partial save beside the fast tier's (which holds
+    # partial saves alone), not refused as two checkpoints nor the full export for PATH/TAG/ (rev71d L2)
+    save_checkpoint(root, "step2", partial=False, model=nn.Linear(2, 2))
+    for spec in ("step2", "step2/", "step2_partial"):
+        rc, out, err = _run("verify", f"{root}/{spec}", "--local", node)
+        assert rc == 0 and out.splitlines()[0].startswith(f"OK {root}/step2_partial: {nfiles + 1} files"), (spec, err)
+
 
 def test_verify_local_names_a_corrupt_byte_in_a_fast_tier_file(tiered: tuple[str, str]) -> None:
     root, node = tiered

@@ -814,3 +814,96 @@ def test_a_dataparallel_model_resumes_as_saved_and_a_resume_across_is_refused_na
             resume_from_checkpoint(str(tmp_path), tag, model=resume_as(m2), optimizer=o2)
         with pytest.warns(UserWarning, match=r"strict=False skipped keys; .*module\. added or removed"):
             resume_from_checkpoint(str(tmp_path), tag, model=resume_as(m2), optimizer=o2, strict=False)
+
+
+class _MomentIn(torch.optim.Optimizer):
+    """Momentum SGD keeping its moment in a dtype of its own (AnyPrecisionAdamW's fp32 moments of a bf16 model)."""
+
+    dtype = torch.float32  # a class attribute: a deepcopy of the optimizer keeps it
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    if not state:
+                        state["m"], state["step"] = torch.zeros_like(p, dtype=self.dtype), torch.tensor(0.0)
+                        state["nest"] = {"m": torch.zeros_like(p, dtype=self.dtype)}  # nested state (hunt71d2)
+                    state["m"].mul_(0.9).add_(p.grad.to(self.dtype))
+                    state["nest"]["m"].mul_(0.5).add_(p.grad.to(self.dtype) / 3)
+                    state["step"] += 1
+                    p.add_((state["m"] + state["nest"]["m"]).to(p.dtype), alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("moment, param", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_optimizer_state_keeps_its_saved_dtype_not_its_parameters(tmp_path: Any, moment: Any, param: Any) -> None:
+    """torch's ``Optimizer.load_state_dict`` (under DCP's ``set_state_dict``) casts floating state to its parameter's
+    dtype: fp32 moments of a bf16 model came back rounded to bf16, bf16 ones of an fp32 model as fp32, and the next
+    step differed from the uninterrupted run's (hunt71d). The state keeps the dtype it was saved and loaded in, bit-exact,
+    in a fresh optimizer and a live one; the next step equals the uninterrupted run's."""
+
+    def run(seed: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        m = nn.Linear(8, 8).to(param)
+        o = type("MomentIn", (_MomentIn,), {"dtype": moment})(m.parameters())
+        for _ in range(steps):
+            o.zero_grad()
+            m(torch.randn(4, 8, dtype=param)).sum().backward()
+            o.step()
+        return m, o
+
+    m, o = run(0, 3)
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    save_checkpoint(str(tmp_path), "a", partial=False, model=m, optimizer=o, include_optimizer=True)
+    x = torch.randn(4, 8, dtype=param)
+    for steps, partial in ((0, True), (1, True), (1, False)):  # a fresh optimizer, a live one; a full artifact
+        m2, o2 = run(1, steps)
+        resume_from_checkpoint(str(tmp_path), "a", partial=partial, model=m2, optimizer=o2)
+        for p, p2 in zip(m.parameters(), m2.parameters()):
+            for saved, got in (
+                (o.state[p]["m"], o2.state[p2]["m"]),
+                (o.state[p]["nest"]["m"], o2.state[p2]["nest"]["m"]),
+            ):
+                assert got.dtype == moment and torch.equal(got, saved), (steps, partial, got.dtype)
+        m3, o3 = copy.deepcopy((m, o))  # the uninterrupted run (copies: m and o stay as saved), one step on
+        for model, opt in ((m2, o2), (m3, o3)):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        assert _equal(m2, m3), steps
+
+
+def test_state_saved_in_its_parameters_dtype_follows_a_model_cast_at_the_resume(tmp_path: Any) -> None:
+    """Only state saved in a dtype other than its parameter's keeps it (above): a bf16 model's bf16 Adam state
+    resumed with ``allow_dtype_cast`` into a bf16 model whose live Adam state is fp32 (stepped before
+    ``model.bfloat16()``) takes its parameter's dtype, as torch casts it; kept fp32, the next step failed
+    (``expected dtype float for 'end' but got dtype c10::BFloat16``, rev71d M2)."""
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+        o.zero_grad()
+        m(torch.randn(2, 4, dtype=dtype)).float().square().sum().backward()
+        o.step()
+
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3).bfloat16()
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    for _ in range(2):
+        step(m, o, torch.bfloat16)
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    m2 = nn.Linear(4, 3)
+    o2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
+    step(m2, o2, torch.float32)
+    m2.bfloat16()
+    resume_from_checkpoint(str(tmp_path), model=m2, optimizer=o2, options=smpckpt.ResumeOptions(allow_dtype_cast=True))
+    for p, p2 in zip(m.parameters(), m2.parameters()):
+        got = o2.state[p2]["exp_avg"]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, o.state[p]["exp_avg"])
+    m3, o3 = copy.deepcopy((m, o))  # the uninterrupted run, one step on
+    for model, opt in ((m2, o2), (m3, o3)):
+        torch.manual_seed(1)
+        step(model, opt, torch.bfloat16)
+    assert _equal(m2, m3)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import socket
 import sys
 import tempfile
 import traceback
@@ -72,7 +73,7 @@ def _teardown() -> None:
 def _entry(
     rank: int,
     world_size: int,
-    init_file: str,
+    init_method: str,
     out_dir: str,
     env: dict[str, str],
     fn: Callable[..., Any],
@@ -94,7 +95,7 @@ def _entry(
     try:
         dist.init_process_group(
             "gloo",
-            init_method=f"file://{init_file}",
+            init_method=init_method,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout) if pg_timeout is not None else None,
@@ -113,10 +114,17 @@ def _entry(
 
 
 def run_world(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0, pg_timeout: float | None = None
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 240.0,
+    pg_timeout: float | None = None,
+    tcp: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return their results.
-    ``pg_timeout``: the default group's timeout in seconds (``None``: torch's default).
+    ``pg_timeout``: the default group's timeout in seconds (``None``: torch's default). ``tcp``: rendezvous
+    through ``tcp://`` on a free loopback port (rank 0 hosts the job's store, as in a real job) instead of
+    ``file://``.
 
     ``fn`` must be importable (a module-level function). Raises :class:`RankFailed` naming every rank
     that raised or did not finish within ``timeout`` seconds.
@@ -124,10 +132,14 @@ def run_world(
     # Takes effect when this process first starts its fork server; later calls change nothing.
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory(prefix="smpckpt-world-") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
+        init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
+        if tcp:
+            with socket.socket() as s:  # free now; the ranks bind it a moment later (rank 0 hosts the store)
+                s.bind(("127.0.0.1", 0))
+                init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         ctx = mp.start_processes(
             _entry,
-            args=(world_size, init_file, tmp, dict(os.environ), fn, args, pg_timeout),
+            args=(world_size, init_method, tmp, dict(os.environ), fn, args, pg_timeout),
             nprocs=world_size,
             join=False,
             start_method="forkserver",

@@ -35,7 +35,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
-import socket
 import sys
 import tempfile
 import traceback
@@ -70,6 +69,31 @@ def _teardown() -> None:
     gc.collect()  # groups held only by reference cycles (exception tracebacks, meshes) go now
 
 
+def _tcp_store(rank: int, world_size: int, out_dir: str, timeout: Any) -> Any:
+    """The job's TCPStore: rank 0 hosts it on port 0 (the OS picks a free one: no port chosen in the parent and
+    released before the ranks bind it) and publishes the port in a file the others wait for
+    (tests/clean_exit_worker.py does the same)."""
+    import time
+
+    import torch.distributed as dist
+
+    port_file = os.path.join(out_dir, "port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(port_file + ".tmp", port_file)
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not os.path.exists(port_file):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 never published its TCPStore port in {port_file}")
+        time.sleep(0.005)
+    with open(port_file) as f:
+        port = int(f.read())
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+
+
 def _entry(
     rank: int,
     world_size: int,
@@ -93,13 +117,12 @@ def _entry(
     np.random.seed()
     result: Any
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout) if pg_timeout is not None else None,
-        )
+        timeout = datetime.timedelta(seconds=pg_timeout) if pg_timeout is not None else None
+        if init_method == "tcp":  # rank 0 hosts the job's store, on a port the OS picked (no race)
+            store = _tcp_store(rank, world_size, out_dir, timeout or dist.default_pg_timeout)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
         result = ("ok", fn(rank, world_size, *args))
         _teardown()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
@@ -123,8 +146,8 @@ def run_world(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return their results.
     ``pg_timeout``: the default group's timeout in seconds (``None``: torch's default). ``tcp``: rendezvous
-    through ``tcp://`` on a free loopback port (rank 0 hosts the job's store, as in a real job) instead of
-    ``file://``.
+    through a TCPStore that rank 0 hosts on a loopback port the OS picks (the job's store, as under ``tcp://``
+    in a real job) instead of ``file://``.
 
     ``fn`` must be importable (a module-level function). Raises :class:`RankFailed` naming every rank
     that raised or did not finish within ``timeout`` seconds.
@@ -134,9 +157,7 @@ def run_world(
     with tempfile.TemporaryDirectory(prefix="smpckpt-world-") as tmp:
         init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
         if tcp:
-            with socket.socket() as s:  # free now; the ranks bind it a moment later (rank 0 hosts the store)
-                s.bind(("127.0.0.1", 0))
-                init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+            init_method = "tcp"  # rank 0 makes the store (_tcp_store)
         ctx = mp.start_processes(
             _entry,
             args=(world_size, init_method, tmp, dict(os.environ), fn, args, pg_timeout),

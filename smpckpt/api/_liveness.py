@@ -62,10 +62,17 @@ def _period(bound: float) -> float:
     return min(5.0, max(0.05, bound / 10))
 
 
-def _read_period(bound: float) -> float:
+#: the store host's CPU per key a read returns (a multi-get of 4,096 keys took 10.5 ms on loopback, fix71f)
+_KEY_COST = 2.6e-6
+
+
+def _read_period(bound: float, world: int = 2) -> float:
     """How often a process with a watch running reads its peers' beats (one multi-get of their keys, to the
-    store every rank shares): a few times within the bound, at least every 30 s."""
-    return min(30.0, max(_period(bound), bound / 5))
+    store every rank shares): a few times within the bound, at least every 30 s -- stretched in a large world
+    so that ``world`` ranks reading ``world`` keys each keep the store host's one thread under a fifth busy
+    (``world**2 * _KEY_COST * 5``: 13 s at 1,000 ranks, 218 s at 4,096), never past half the bound."""
+    base = min(30.0, max(_period(bound), bound / 5))
+    return max(base, min(bound / 2, world * world * _KEY_COST * 5))
 
 
 class Heartbeat(threading.Thread):
@@ -104,10 +111,10 @@ class Heartbeat(threading.Thread):
             if not watches:
                 read_due = None
             elif read_due is None:
-                read_due = now + min(_read_period(w.bound) for w in watches)
+                read_due = now + min(_read_period(w.bound, w.world) for w in watches)
             elif now >= read_due:
                 self._read(sorted({r for w in watches for r in w.peers}))
-                read_due = time.monotonic() + min(_read_period(w.bound) for w in watches)
+                read_due = time.monotonic() + min(_read_period(w.bound, w.world) for w in watches)
             with self.cond:  # woken early by busy_now() or a new watch
                 if self.asked == asked and len(self.watches) == len(watches):
                     self.cond.wait(max(0.0, min(beat_due, read_due or beat_due) - time.monotonic()))
@@ -144,15 +151,26 @@ class Heartbeat(threading.Thread):
     def next_beat(self) -> bytes:
         return f"{os.getpid()}:{time.monotonic_ns()}".encode()
 
-    def read_after(self, since: float, wait: float) -> tuple[float, dict[int, bytes | None]] | None:
-        """The newest read, waited for up to ``wait`` seconds while none was made after ``since``."""
+    def read_after(
+        self, since: float, wait: float, done: threading.Event
+    ) -> tuple[float, dict[int, bytes | None]] | None:
+        """The newest read, waited for up to ``wait`` seconds while none was made after ``since`` and ``done``
+        (the watch's) is not set."""
         with self.cond:
-            self.cond.wait_for(lambda: self.read is not None and self.read[0] > since, wait)
+            self.cond.wait_for(lambda: done.is_set() or (self.read is not None and self.read[0] > since), wait)
             return self.read
 
     def add(self, found: Watch) -> None:
         with self.cond:
             self.watches.append(found)
+            self.cond.notify_all()
+
+    def remove(self, found: Watch) -> None:
+        """``found`` ended (its work ended, or it gave up): no longer read for, and woken now."""
+        with self.cond:
+            found.done.set()
+            if found in self.watches:
+                self.watches.remove(found)
             self.cond.notify_all()
 
     def beat_now(self) -> None:
@@ -211,20 +229,33 @@ class Watch(threading.Thread):
     ``fail(message)`` once a peer is silent for ``bound`` seconds (or the store itself does not answer for that
     long), then ends."""
 
-    def __init__(self, heartbeat: Heartbeat, peers: list[int], bound: float, fail: Callable[[str], bool]) -> None:
+    def __init__(
+        self, heartbeat: Heartbeat, peers: list[int], bound: float, fail: Callable[[str], bool], world: int = 0
+    ) -> None:
         super().__init__(name="smpckpt-liveness", daemon=True)
         self.heartbeat, self.peers, self.bound, self.fail = heartbeat, peers, bound, fail
+        self.world = world or len(peers) + 1  #: the job's ranks, all reading the store host (its load)
         self.done = threading.Event()
 
+    def stop(self) -> None:
+        """(the lane's thread, its work ended) This watch ends now, not at the heartbeat's next read."""
+        self.heartbeat.remove(self)
+
     def run(self) -> None:
-        period, heartbeat = _read_period(self.bound), self.heartbeat
+        try:
+            self._follow()
+        finally:  # ended or gave up: the heartbeat stops reading for it
+            self.heartbeat.remove(self)
+
+    def _follow(self) -> None:
+        period, heartbeat = _read_period(self.bound, self.world), self.heartbeat
         started = answered = time.monotonic()
         seen: dict[int, tuple[bytes | None, float]] = {r: (None, started) for r in self.peers}
         heartbeat.add(self)
         late = False  # no read for ``bound``: one more period is waited, timed from now (a process stopped and
         # let go, or starved of CPU, sees its heartbeat read at once; a stopped store host answers no read)
         while not self.done.is_set():
-            read = heartbeat.read_after(answered, period)
+            read = heartbeat.read_after(answered, period, self.done)
             if self.done.is_set() or not heartbeat.is_alive():
                 return  # the work ended, or its store is no longer the job's (a group destroyed: its calls say so)
             if read is None or read[0] <= answered:
@@ -271,7 +302,8 @@ def watch(lane: Lane, fut: concurrent.futures.Future[None], tag: str) -> Watch |
         return None
     heartbeat = Heartbeat.ensure(store, me, _period(bound), lane.busy)
     peers = [r for r in ranks if r != me]
-    found = Watch(heartbeat, peers, bound, lambda why: abandon(lane, fut, tag, f"rank {me}: {why}"))
+    fail = lambda why: abandon(lane, fut, tag, f"rank {me}: {why}")  # noqa: E731
+    found = Watch(heartbeat, peers, bound, fail, dist.get_world_size())
     found.start()
     return found
 

@@ -69,10 +69,35 @@ def _teardown() -> None:
     dist.destroy_process_group()  # no gc.collect(): os._exit follows (see the module docstring)
 
 
+def _tcp_store(rank: int, world_size: int, out_dir: str, timeout: Any) -> Any:
+    """The job's TCPStore: rank 0 hosts it on port 0 (the OS picks a free one: no port chosen in the parent and
+    released before the ranks bind it) and publishes the port in a file the others wait for
+    (tests/clean_exit_worker.py does the same)."""
+    import time
+
+    import torch.distributed as dist
+
+    port_file = os.path.join(out_dir, "port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(port_file + ".tmp", port_file)
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not os.path.exists(port_file):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 never published its TCPStore port in {port_file}")
+        time.sleep(0.005)
+    with open(port_file) as f:
+        port = int(f.read())
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+
+
 def _entry(
     rank: int,
     world_size: int,
-    init_file: str,
+    init_method: str,
     out_dir: str,
     env: dict[str, str],
     fn: Callable[..., Any],
@@ -92,13 +117,12 @@ def _entry(
     np.random.seed()
     result: Any
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout) if pg_timeout is not None else None,
-        )
+        timeout = datetime.timedelta(seconds=pg_timeout) if pg_timeout is not None else None
+        if init_method == "tcp":  # rank 0 hosts the job's store, on a port the OS picked (no race)
+            store = _tcp_store(rank, world_size, out_dir, timeout or dist.default_pg_timeout)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
         result = ("ok", fn(rank, world_size, *args))
         _teardown()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
@@ -113,10 +137,17 @@ def _entry(
 
 
 def run_world(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0, pg_timeout: float | None = None
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 240.0,
+    pg_timeout: float | None = None,
+    tcp: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return their results.
-    ``pg_timeout``: the default group's timeout in seconds (``None``: torch's default).
+    ``pg_timeout``: the default group's timeout in seconds (``None``: torch's default). ``tcp``: rendezvous
+    through a TCPStore that rank 0 hosts on a loopback port the OS picks (the job's store, as under ``tcp://``
+    in a real job) instead of ``file://``.
 
     ``fn`` must be importable (a module-level function). Raises :class:`RankFailed` naming every rank
     that raised or did not finish within ``timeout`` seconds.
@@ -124,10 +155,12 @@ def run_world(
     # Takes effect when this process first starts its fork server; later calls change nothing.
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory(prefix="smpckpt-world-") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
+        init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
+        if tcp:
+            init_method = "tcp"  # rank 0 makes the store (_tcp_store)
         ctx = mp.start_processes(
             _entry,
-            args=(world_size, init_file, tmp, dict(os.environ), fn, args, pg_timeout),
+            args=(world_size, init_method, tmp, dict(os.environ), fn, args, pg_timeout),
             nprocs=world_size,
             join=False,
             start_method="forkserver",

@@ -166,7 +166,7 @@ class Lane:
                 error = exc
             finally:
                 if watch is not None:
-                    watch.done.set()
+                    watch.stop()
             with self._cond:  # settled under the lock: abandon() may be failing it from the watch right now
                 self._current = None
                 given_up = fut is self.abandoned

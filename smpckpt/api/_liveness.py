@@ -6,8 +6,9 @@ torch's 30 minutes: their collectives rightly wait for other ranks' I/O, minutes
 own timeout failed healthy slow saves: rev69g). Nor can the wait be cut: in torch 2.13 ``abort()``,
 ``shutdown()`` and ``destroy_process_group`` of a gloo group leave a collective blocked in it blocked
 (fix70c). So liveness is watched, not duration: every process running background work beats a heartbeat
-into the job's c10d store (:class:`Heartbeat`, a thread of its own, beating while its rank does I/O too);
-while a lane's work runs, a :class:`Watch` reads its peers' beats, and a peer silent for longer than the
+into the job's c10d store (:class:`Heartbeat`, a thread of its own, beating while its rank does I/O too, and
+the process's one store connection for liveness); while a lane's work runs, a :class:`Watch` follows its
+peers' beats, read by that thread for every watch of the process, and a peer silent for longer than the
 job's own process-group timeout fails that work at once, naming the rank (:func:`abandon`); the
 thread stuck in the collective is left behind (a daemon) and the Checkpointer refuses later saves.
 
@@ -61,50 +62,135 @@ def _period(bound: float) -> float:
     return min(5.0, max(0.05, bound / 10))
 
 
-def _read_period(bound: float) -> float:
-    """How often a watch reads its peers' beats (each read is a check and a multi-get of every peer's key, to the
-    store every rank shares): a few times within the bound, at least every 30 s."""
-    return min(30.0, max(_period(bound), bound / 5))
+#: the store host's CPU per key a read returns (a multi-get of 4,096 keys took 10.5 ms on loopback, fix71f)
+_KEY_COST = 2.6e-6
+
+
+def _read_period(bound: float, world: int = 2) -> float:
+    """How often a process with a watch running reads its peers' beats (one multi-get of their keys, to the
+    store every rank shares): a few times within the bound, at least every 30 s -- stretched in a large world
+    so that ``world`` ranks reading ``world`` keys each keep the store host's one thread under a fifth busy
+    (``world**2 * _KEY_COST * 5``: 13 s at 1,000 ranks, 218 s at 4,096), never past half the bound."""
+    base = min(30.0, max(_period(bound), bound / 5))
+    return max(base, min(bound / 2, world * world * _KEY_COST * 5))
 
 
 class Heartbeat(threading.Thread):
-    """This process's beat in the job's store while ``busy()`` (a lane's work runs), :data:`IDLE` once
-    otherwise (one thread per store: found in the interpreter's thread list, no registry); it ends with the
-    store (a process group destroyed since)."""
+    """This process's one store connection for liveness (one thread per store: found in the interpreter's
+    thread list, no registry), used by this thread alone: it beats while ``busy()`` (a lane's work runs),
+    writes :data:`IDLE` once otherwise, and reads the peers of the :class:`Watch` es running in the process
+    for them; it ends with the store (a process group destroyed since)."""
 
     def __init__(self, store: Any, rank: int, period: float, busy: Callable[[], bool]) -> None:
         super().__init__(name="smpckpt-heartbeat", daemon=True)
         self.store, self.rank, self.period, self.busy = store, rank, period, busy
         #: its own connection, made on this thread (a clone waits past the store's timeout on a stopped host:
-        #: never on a caller's thread, rev70g): a store wait on another thread must not hold beats (rev70c M2)
+        #: never on a caller's or a lane's thread, rev70g), used by this thread only: a store ``wait`` on
+        #: another thread does not hold beats (rev70c M2), and a read stuck on a stopped host holds no lane
+        #: (one TCPStore client serves one request at a time: a set behind a stuck get waited past 40 s)
         self.conn: Any = None
-        self.said = b""  #: what the store holds for this rank (busy_now() writes too, under ``lock``)
-        self.lock = threading.Lock()  # the write and ``said`` together: else a stale beat stayed (rev70g M)
+        self.said = b""  #: what the store holds for this rank (written by this thread alone)
+        self.cond = threading.Condition()  # what the other threads ask (below) and what this one read
         self.stopped = threading.Event()
+        self.asked = self.served = 0  #: fresh beats asked for by busy_now(), and written
+        self.watches: list[Watch] = []  #: the watches whose peers this thread reads
+        self.read: tuple[float, dict[int, bytes | None]] | None = None  #: when (monotonic), the beats read
+        self._known: set[str] = set()  #: keys read before: there for good (one multi-get, no check first)
 
     def run(self) -> None:
         self.conn = _own(self.store)
+        beat_due, read_due = 0.0, None
         while not self.stopped.is_set() and dist.is_initialized() and _store() is self.store:
-            with self.lock:  # a store host that is stopped holds this thread (and busy_now) only: watches are bounded
-                value = self.next_beat() if self.busy() else IDLE
-                if value != self.said:
-                    try:
-                        self.conn.set(_KEY.format(self.rank), value)
-                        self.said = value
-                    except Exception as exc:  # noqa: BLE001 - beats on: a passing error is no hang to a peer
-                        log.debug("heartbeat: the store refused a beat: %s", exc)
-            self.stopped.wait(self.period)
+            with self.cond:
+                self.watches = [w for w in self.watches if not w.done.is_set()]
+                watches, asked = list(self.watches), self.asked
+            now = time.monotonic()
+            if asked != self.served or now >= beat_due:
+                self._beat(asked)
+                beat_due = now + self.period
+            if not watches:
+                read_due = None
+            elif read_due is None:
+                read_due = now + min(_read_period(w.bound, w.world) for w in watches)
+            elif now >= read_due:
+                self._read(sorted({r for w in watches for r in w.peers}))
+                read_due = time.monotonic() + min(_read_period(w.bound, w.world) for w in watches)
+            with self.cond:  # woken early by busy_now() or a new watch
+                if self.asked == asked and len(self.watches) == len(watches):
+                    self.cond.wait(max(0.0, min(beat_due, read_due or beat_due) - time.monotonic()))
+
+    def _beat(self, asked: int) -> None:
+        value = self.next_beat() if self.busy() else IDLE
+        if value != self.said:
+            try:  # a stopped store host holds this thread only (busy_now waits for it with a bound)
+                self.conn.set(_KEY.format(self.rank), value)
+                self.said = value
+            except Exception as exc:  # noqa: BLE001 - beats on: a passing error is no hang to a peer
+                log.debug("heartbeat: the store refused a beat: %s", exc)
+                return
+        with self.cond:
+            self.served = asked
+            self.cond.notify_all()
+
+    def _read(self, peers: list[int]) -> None:
+        keys = [_KEY.format(r) for r in peers]
+        try:
+            if self._known.issuperset(keys) or self.conn.check(keys):
+                found: list[bytes | None] = list(self.conn.multi_get(keys))
+                self._known.update(keys)
+            else:  # a peer that has not beaten yet (get would wait for its key): read the others one by one
+                found = [self.conn.get(k) if self.conn.check([k]) else None for k in keys]
+        except Exception as exc:  # noqa: BLE001 - no answer (the store's own timeout): the watches count silence
+            self._known.clear()
+            log.debug("liveness: the store did not answer: %s", exc)
+            return
+        with self.cond:
+            self.read = (time.monotonic(), dict(zip(peers, found)))
+            self.cond.notify_all()
 
     def next_beat(self) -> bytes:
         return f"{os.getpid()}:{time.monotonic_ns()}".encode()
 
+    def read_after(
+        self, since: float, wait: float, done: threading.Event
+    ) -> tuple[float, dict[int, bytes | None]] | None:
+        """The newest read, waited for up to ``wait`` seconds while none was made after ``since`` and ``done``
+        (the watch's) is not set."""
+        with self.cond:
+            self.cond.wait_for(lambda: done.is_set() or (self.read is not None and self.read[0] > since), wait)
+            return self.read
+
+    def add(self, found: Watch) -> None:
+        with self.cond:
+            self.watches.append(found)
+            self.cond.notify_all()
+
+    def remove(self, found: Watch) -> None:
+        """``found`` ended (its work ended, or it gave up): no longer read for, and woken now."""
+        with self.cond:
+            found.done.set()
+            if found in self.watches:
+                self.watches.remove(found)
+            self.cond.notify_all()
+
+    def beat_now(self) -> None:
+        """(a lane's thread) A fresh beat written by this thread, waited for a bounded time: the store's host
+        may be the stopped one, and a lane's thread never waits on it past that."""
+        with self.cond:
+            self.asked += 1
+            asked = self.asked
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.served >= asked, timeout=max(1.0, self.period))
+
     @classmethod
-    def ensure(cls, store: Any, rank: int, period: float, busy: Callable[[], bool]) -> None:
+    def ensure(cls, store: Any, rank: int, period: float, busy: Callable[[], bool]) -> Heartbeat:
         for thread in threading.enumerate():
             if isinstance(thread, cls) and thread.store is store and not thread.stopped.is_set():
                 if thread.period <= period:
-                    return
-        cls(store, rank, period, busy).start()
+                    return thread
+        found = cls(store, rank, period, busy)
+        found.start()
+        return found
 
 
 def _own(store: Any) -> Any:
@@ -134,73 +220,61 @@ def busy_now() -> None:
     a process stopped right after would otherwise stay idle, never hung, to its peers."""
     for thread in threading.enumerate():
         if isinstance(thread, Heartbeat) and not thread.stopped.is_set() and thread.store is _store():
-            with thread.lock:
-                try:
-                    value = thread.next_beat()
-                    (thread.conn or thread.store).set(_KEY.format(thread.rank), value)
-                    thread.said = value  # what the store holds now: the thread's next IDLE is written
-                except Exception as exc:  # noqa: BLE001 - the heartbeat's next turn writes it
-                    log.debug("heartbeat: the store refused a beat: %s", exc)
+            thread.beat_now()
             return
 
 
 class Watch(threading.Thread):
-    """Reads ``peers``' beats while one piece of a lane's work runs; calls ``fail(message)`` once a peer is
-    silent for ``bound`` seconds (or the store itself does not answer for that long), then ends."""
+    """Follows ``peers``' beats, as ``heartbeat`` reads them, while one piece of a lane's work runs; calls
+    ``fail(message)`` once a peer is silent for ``bound`` seconds (or the store itself does not answer for that
+    long), then ends."""
 
-    def __init__(self, store: Any, peers: list[int], bound: float, fail: Callable[[str], bool]) -> None:
+    def __init__(
+        self, heartbeat: Heartbeat, peers: list[int], bound: float, fail: Callable[[str], bool], world: int = 0
+    ) -> None:
         super().__init__(name="smpckpt-liveness", daemon=True)
-        self.store, self.peers, self.bound, self.fail = store, peers, bound, fail
+        self.heartbeat, self.peers, self.bound, self.fail = heartbeat, peers, bound, fail
+        self.world = world or len(peers) + 1  #: the job's ranks, all reading the store host (its load)
         self.done = threading.Event()
-        self._reader: threading.Thread | None = None
-        self._read: list[bytes | None] | None = None
-        self._conn: Any = None  # a store connection of its own, as the heartbeat's (never behind a store wait)
 
-    def _read_beats(self) -> None:
-        keys = [_KEY.format(r) for r in self.peers]
-        try:
-            if self._conn is None:  # made here, on the bounded reader: a clone waits on a stopped host (rev70g)
-                self._conn = _own(self.store)
-            store = self._conn
-            if store.check(keys):
-                self._read = list(store.multi_get(keys))
-            else:  # a peer that has not beaten yet (get would wait for its key): read the others one by one
-                self._read = [store.get(k) if store.check([k]) else None for k in keys]
-        except Exception as exc:  # noqa: BLE001 - no answer (the store's own timeout): counted as silence
-            log.debug("liveness: the store did not answer: %s", exc)
-
-    def _beats(self, wait: float) -> list[bytes | None] | None:
-        """The peers' beats, or ``None`` if the store did not answer within ``wait`` seconds (a read still
-        pending from before is waited for, never doubled)."""
-        if self._reader is None or not self._reader.is_alive():
-            self._read = None
-            self._reader = threading.Thread(target=self._read_beats, name="smpckpt-liveness-read", daemon=True)
-            self._reader.start()
-        self._reader.join(wait)
-        return None if self._reader.is_alive() else self._read
+    def stop(self) -> None:
+        """(the lane's thread, its work ended) This watch ends now, not at the heartbeat's next read."""
+        self.heartbeat.remove(self)
 
     def run(self) -> None:
-        period = _read_period(self.bound)
+        try:
+            self._follow()
+        finally:  # ended or gave up: the heartbeat stops reading for it
+            self.heartbeat.remove(self)
+
+    def _follow(self) -> None:
+        period, heartbeat = _read_period(self.bound, self.world), self.heartbeat
         started = answered = time.monotonic()
         seen: dict[int, tuple[bytes | None, float]] = {r: (None, started) for r in self.peers}
-        while not self.done.wait(period):
-            beats = self._beats(period)
-            now = time.monotonic()
-            if self.done.is_set():
-                return
-            if beats is None:
-                if now - answered > self.bound:
-                    self.fail(
-                        f"the job's c10d store did not answer for {self.bound:g}s (its host, rank 0 under "
-                        "init_method tcp:// or env://, is stopped or its node is gone)"
-                    )
-                    return
+        heartbeat.add(self)
+        late = False  # no read for ``bound``: one more period is waited, timed from now (a process stopped and
+        # let go, or starved of CPU, sees its heartbeat read at once; a stopped store host answers no read)
+        while not self.done.is_set():
+            read = heartbeat.read_after(answered, period, self.done)
+            if self.done.is_set() or not heartbeat.is_alive():
+                return  # the work ended, or its store is no longer the job's (a group destroyed: its calls say so)
+            if read is None or read[0] <= answered:
+                if time.monotonic() - answered > self.bound:
+                    if late:
+                        self.fail(
+                            f"the job's c10d store did not answer for {self.bound:g}s (its host, rank 0 under "
+                            "init_method tcp:// or env://, is stopped or its node is gone)"
+                        )
+                        return
+                    late = True
                 continue
-            answered = now
-            for rank, beat in zip(self.peers, beats):
+            late = False
+            answered, beats = read
+            for rank in self.peers:
+                beat = beats.get(rank)
                 if beat is not None and (beat != seen[rank][0] or beat == IDLE):
-                    seen[rank] = (beat, now)
-            silent = [r for r in self.peers if now - seen[r][1] > self.bound]
+                    seen[rank] = (beat, answered)
+            silent = [r for r in self.peers if answered - seen[r][1] > self.bound]
             if silent:
                 who = f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))}"
                 self.fail(
@@ -226,9 +300,10 @@ def watch(lane: Lane, fut: concurrent.futures.Future[None], tag: str) -> Watch |
     bound, me = job_timeout(), dist.get_rank()
     if len(ranks) < 2 or bound is None:
         return None
-    Heartbeat.ensure(store, me, _period(bound), lane.busy)
+    heartbeat = Heartbeat.ensure(store, me, _period(bound), lane.busy)
     peers = [r for r in ranks if r != me]
-    found = Watch(store, peers, bound, lambda why: abandon(lane, fut, tag, f"rank {me}: {why}"))
+    fail = lambda why: abandon(lane, fut, tag, f"rank {me}: {why}")  # noqa: E731
+    found = Watch(heartbeat, peers, bound, fail, dist.get_world_size())
     found.start()
     return found
 

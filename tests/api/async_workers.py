@@ -265,8 +265,8 @@ def exit_wait_rank(rank: int, root: str, init: str, fail: str) -> None:
 
 def a_peer_stops_or_is_slow(rank: int, world: int, root: str, mode: str, bound: float) -> dict[str, Any]:
     """fix70c: at the start of its background write of ``b`` one rank stops itself (``stop0``/``stop1``:
-    SIGSTOP, a vanished node keeping its connections) or rank 1 sleeps 3x ``bound``, the job's timeout
-    (``slow``: healthy slow I/O), or rank 0 alone spends 3x ``bound`` after the others' part ended (``idle``:
+    SIGSTOP, a vanished node keeping its connections) or rank 1 sleeps 2x ``bound``, the job's timeout
+    (``slow``: healthy slow I/O), or rank 0 alone spends 2x ``bound`` after the others' part ended (``idle``:
     a healthy peer whose part was short, idle since). Each rank says what its future did, how long it took and ``newest``; the
     other rank then lets the stopped one go, waits for its own thread left behind, and says what is
     committed and what its next save said."""
@@ -284,16 +284,16 @@ def a_peer_stops_or_is_slow(rank: int, world: int, root: str, mode: str, bound: 
         if rank == stopped:
             os.kill(os.getpid(), signal.SIGSTOP)  # until the other rank sends SIGCONT
         elif rank == 1 and mode == "slow":
-            time.sleep(3 * bound)
+            time.sleep(2 * bound)
         real(*args)
 
     ck.write_checkpoint = held  # type: ignore[assignment]
-    if mode == "idle":  # rank 0 alone applies retention 3x the bound while rank 1's lane is idle (rev70c H1)
+    if mode == "idle":  # rank 0 alone applies retention 2x the bound while rank 1's lane is idle (rev70c H1)
         real_retain = ck.retain
 
         def slow_retain(*args: Any, **kwargs: Any) -> Any:
             if rank == 0:
-                time.sleep(3 * bound)
+                time.sleep(2 * bound)
             return real_retain(*args, **kwargs)
 
         ck.retain = slow_retain  # type: ignore[assignment]
@@ -337,9 +337,73 @@ def a_peer_stops_or_is_slow(rank: int, world: int, root: str, mode: str, bound: 
     return out
 
 
+class _CountedStore:
+    """The job's store as ``smpckpt.api._liveness`` finds it, counting the connections cloned from it."""
+
+    def __init__(self, inner: Any, clones: list[int]) -> None:
+        self._inner, self.clones = inner, clones
+
+    def clone(self) -> Any:
+        self.clones.append(1)
+        return self._inner.clone()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def the_store_host_stops(rank: int, world: int, root: str) -> dict[str, Any]:
+    """fix71f, under ``tcp://`` (rank 0 hosts the job's store), after a healthy save ``a``. ``b``: rank 0, the
+    store's host, stops itself (SIGSTOP) at the start of its write, and rank 1's lane starts its part 0.5 s
+    later (rev70g: a late lane's clone of a stopped host hung its thread). Each rank says what its future did
+    and how long it took; rank 1 then lets rank 0 go and waits for its own thread left behind; both say what is committed and how many
+    store connections liveness cloned in the process (one per watch that read before: 1,000 connects per save
+    at 1,000 ranks)."""
+    import smpckpt.api.checkpointer as ck
+    from smpckpt.api import _liveness
+
+    clones: list[int] = []
+    counted = _CountedStore(_liveness._store(), clones)
+    _liveness._store = lambda: counted  # type: ignore[assignment]
+    m = model(0)
+    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    real, real_busy = ck.write_checkpoint, _liveness.busy_now
+    ckpt.save("a", m).result()  # type: ignore[union-attr]
+    out: dict[str, Any] = {}
+
+    def held(*args: Any) -> None:
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGSTOP)  # until rank 1 sends SIGCONT
+        real(*args)
+
+    def late() -> None:
+        time.sleep(0.5)
+        real_busy()
+
+    ck.write_checkpoint = held  # type: ignore[assignment]
+    if rank == 1:
+        _liveness.busy_now = late  # type: ignore[assignment]
+    started = time.monotonic()
+    try:
+        ckpt.save("b", m).result(timeout=30)  # type: ignore[union-attr]
+        out["said"] = "no error"
+    except BaseException as exc:  # noqa: BLE001 - reported
+        out["said"] = f"{type(exc).__name__}: {exc}"
+    out["took"] = time.monotonic() - started
+    if rank == 1:
+        os.kill(pids[0], signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while getattr(ckpt._save_lane, "_current", None) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the thread left behind ends now
+    out["clones"] = len(clones)
+    out["newest"] = open(os.path.join(root, "newest")).read().strip()
+    return out
+
+
 def a_background_collective_times_out(rank: int, world: int, root: str) -> dict[str, Any]:
     """fix70c: the background groups made with a 2 s timeout (torch's 30 minutes, shortened), rank 1 writes
-    6 s late (alive: its heartbeat beats, no liveness give-up): rank 0's collective times out and the save
+    4 s late (alive: its heartbeat beats, no liveness give-up): rank 0's collective times out and the save
     fails; what each rank's next save says (the group is broken: gloo's "pair closure", naming no rank)."""
     import datetime
 
@@ -360,7 +424,7 @@ def a_background_collective_times_out(rank: int, world: int, root: str) -> dict[
 
     def late(*args: Any) -> None:
         if rank == 1:
-            time.sleep(6)
+            time.sleep(4)  # twice the groups' 2 s: rank 0's collective times out well before rank 1 comes
         real(*args)
 
     ck.write_checkpoint = late  # type: ignore[assignment]

@@ -223,13 +223,24 @@ class ReservedKeys:
         fqns = {k[len(params) :] for k in saved if k.startswith(params)}
         out = []
         for key, read in keys.items():
-            if read.startswith(state) and (fqn := self.state_owner(read[len(state) :], fqns)) is not None:
-                dtypes = [
-                    getattr(getattr(saved.get(k), "properties", None), "dtype", None) for k in (read, params + fqn)
-                ]
-                if None not in dtypes and dtypes[0] != dtypes[1]:
-                    out.append(key)
+            if not read.startswith(state):
+                continue
+            rest = read[len(state) :]
+            fqn: str | None = rest.rpartition(".")[0]  # <fqn>.<name>: state_owner's first guess, cheaply
+            if fqn not in fqns:
+                fqn = self.state_owner(rest, fqns)
+                if fqn is None:
+                    continue
+            mine, its = _dtype(saved.get(read)), _dtype(saved.get(params + fqn))
+            if mine is not None and its is not None and mine != its:
+                out.append(key)
         return out
+
+
+def _dtype(md: Any) -> Any:
+    """A saved tensor's dtype from its metadata entry; ``None`` for an object or an absent key."""
+    properties = getattr(md, "properties", None)
+    return getattr(properties, "dtype", None)
 
 
 RESERVED = ReservedKeys()

@@ -35,7 +35,8 @@ def refuse_unread(missing: Sequence[str], metadata: Any, asked: Container[str] =
     (:data:`~smpckpt.model.layout.UNREAD_KEY`: an untranslated artifact's optimizer state read through a
     translation), in its words: optional or not, skipping them would load without what was asked for. And,
     model keys of ours missing from an untranslated artifact read as it is (no rule of the translation takes
-    its names) whose names another family's translation takes: refused naming that family, strict or not
+    its names) whose names another family's translation takes, when a missing key is one the translation
+    renames (makes by a rule on our side): refused naming that family, strict or not
     (``asked``: the keys this rank loads; the artifact's keys among them are ours, not another family's)."""
     for prefix, why in (_unread(metadata).get("refuse") or {}).items():
         found = [k for k in missing if k.startswith(prefix)]
@@ -61,7 +62,8 @@ def unread_note(metadata: Any, missing: Sequence[str] = (), asked: Container[str
 
 def _as_is(missing: Sequence[str], metadata: Any, asked: Container[str]) -> tuple[str, str, str] | None:
     """(error path) For model keys in ``missing`` from an artifact the reader presents as it is through a
-    translation: ``(head, family hint or "", what is missing)``; ``None`` when none is missing, or the
+    translation: ``(head, family hint or "", what is missing)``; ``None`` when none is missing that a rule of
+    the translation makes on our side (a key it renames; a user's rule-less translation makes none), or the
     translation takes the names as ours, or the artifact holds no key this rank does not ask for."""
     found = _unread(metadata).get("as_is")
     if not found:
@@ -70,6 +72,8 @@ def _as_is(missing: Sequence[str], metadata: Any, asked: Container[str]) -> tupl
     ours = [k for k in missing if k.startswith(prefix)]
     if not ours:
         return None  # no model key of ours missing: nothing built
+    if not any(translation.rule_of(n, {n: ()}, "ours") is not None for n in (k[len(prefix) :] for k in ours)):
+        return None  # none the translation makes (a new head, a stage's cut): missing as any key is, not a mismatch
     shapes = {
         k[len(prefix) :]: tuple(md.size)
         for k, md in metadata.state_dict_metadata.items()

@@ -14,7 +14,7 @@ from typing import Any
 
 from smpckpt.errors import SpecError
 from smpckpt.hf import bert, gpt2, gptj, gptneo, llama, mistral, qwen2, roberta
-from smpckpt.model.translation import Translation, _stranded, check_translates, refuse_adapters
+from smpckpt.model.translation import Translation, _stranded, _template_regex, check_translates, refuse_adapters
 
 __all__ = ["gpt2", "bert", "roberta", "gptj", "gptneo", "llama", "qwen2", "mistral", "TRANSLATIONS", "translation_for"]
 __all__ += ["check_translation", "check_config", "check_config_tensors"]
@@ -41,6 +41,38 @@ def check_translation(translation: Translation, shapes: Mapping[str, Sequence[in
     exporting ours, ``"artifact"`` when importing a Hugging Face folder's), as
     :func:`smpckpt.model.translation.check_translates` says, against every family here."""
     check_translates(translation, shapes, "ours" if side == "ours" else "artifact", TRANSLATIONS.values())
+    if side != "ours":
+        _refuse_fused_ours(translation, shapes)
+
+
+def _refuse_fused_ours(translation: Translation, shapes: Mapping[str, Sequence[int]]) -> None:
+    """(import) Refuse tensors holding another family's fused tensor in our names (GPT-Neo's
+    ``attn.attention.qkv_proj``) that a family's ``translation`` leaves while taking others: that family's model
+    in our names, of which the rules take what they read as their Hugging Face names (GPT-Neo's ``mlp.c_fc``,
+    transposed as GPT-2's ``Conv1D``). A user's own translation (a GPT-Neo in our names with a head it renames)
+    knows its tensors; names no rule takes are read as they are (not here)."""
+    if TRANSLATIONS.get(translation.name) is None:
+        return
+    templates: dict[str, list[str]] = {}  # our template of another family's fused rule -> the families
+    for other in TRANSLATIONS.values():
+        for rule in other.rules if other.name != translation.name else ():
+            if len(rule.artifact) > 1 and other.name not in templates.setdefault(rule.ours, []):
+                templates[rule.ours].append(other.name)
+    tails = [(t.rpartition("}")[2], t, names) for t, names in templates.items()]  # a cheap test before the regex
+    found: dict[str, list[str]] = {}
+    for key in shapes:
+        hit = next((n for tail, t, n in tails if key.endswith(tail) and _template_regex(t).fullmatch(key)), None)
+        if hit is not None and translation.rule_of(key, shapes, "ours") is None:  # Llama's, Mistral's, Qwen2's
+            found.setdefault(" or ".join(f"{n}'s" for n in hit), []).append(key)
+    if not found or not any(translation.rule_of(k, shapes, "artifact") is not None for k in shapes):
+        return
+    names, keys = max(found.items(), key=lambda item: len(item[1]))
+    raise SpecError(
+        f"translation {translation.name!r} takes some of the tensors as Hugging Face names but leaves "
+        f"{', '.join(repr(k) for k in keys[:3])}{' ...' if len(keys) > 3 else ''}, which are {names} fused tensors "
+        f"in our names: the tensors are that family's model in our names, read as they are with its translation, "
+        f"smpckpt.hf.translation_for({names.partition(chr(39))[0]!r}), into a model of that family"
+    )
 
 
 #: what may follow a family's class prefix in ``architectures`` (``GPTJ`` + ``ForCausalLM``)

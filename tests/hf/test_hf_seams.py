@@ -789,3 +789,74 @@ def test_untranslated_artifact_in_our_names_reads_as_it_is_with_a_translation(tm
     )
     got = dst.state_dict()
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _stage_of(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` less its second layer and final norm (a pipeline stage's keys), plus a new head it lacks."""
+    stage = {k: torch.zeros_like(v) for k, v in sd.items() if not re.search(r"(layers|h|layer)\.1\.|ln_f\.", k)}
+    return {**stage, "score.weight": torch.zeros(3)}
+
+
+#: a stage (a cut-down model) with a new head, strict=False, of an untranslated artifact whose keys it does not
+#: all ask for: nanoGPT in GPT-2's Hugging Face names with a translation of one's own; each family in our names
+#: with a translation of no rules
+_STAGES = ("gpt2_names_own_translation", *(f"{n}_ours_no_rules" for n in ("bert", "gpt2", "gpt_neo", "llama", "qwen2")))
+
+
+@pytest.mark.parametrize("case", _STAGES)
+def test_untranslated_artifact_loads_into_a_stage_with_a_new_key_under_strict_false(tmp_path: Path, case: str) -> None:
+    """The keys the stage asks for load bit-exact and its new key is skipped: a missing key no rule of the
+    translation makes is no family mismatch (it was refused as another family's names, the stage's unasked keys
+    being taken by that family's rules)."""
+    from smpckpt.model.translation import Translation, rename
+
+    if case == "gpt2_names_own_translation":
+        hf = tiny_model("gpt2", seed=7, dtype=torch.float32).state_dict()
+        sd = {k: v for k, v in hf.items() if not k.endswith(("attn.bias", "masked_bias")) and k != "lm_head.weight"}
+        translation = Translation("mine", rules=(rename("head.w", "head.weight"),))
+    else:
+        name = case.removesuffix("_ours_no_rules")
+        sd = MODULES[name].translate_hf_state_dict_to_smpckpt(
+            tiny_model(name, seed=7, dtype=torch.float32).state_dict()
+        )
+        translation = Translation("mine", rules=())
+    smpckpt.save_checkpoint(str(tmp_path), "full", partial=False, model=Holder({k: v.clone() for k, v in sd.items()}))
+    dst = Holder(_stage_of(sd))
+    smpckpt.resume_from_checkpoint(
+        str(tmp_path / "full"), None, partial=False, model=dst, strict=False, translate_function=translation
+    )
+    got = dst.state_dict()
+    assert [k for k in got if k != "score.weight" and not torch.equal(got[k], sd[k])] == []
+    assert torch.equal(got["score.weight"], torch.zeros(3))
+
+
+def test_gpt_neo_in_our_names_read_with_gpt2s_translation_is_refused_naming_gpt_neo(tmp_path: Path) -> None:
+    """A GPT-Neo in our names (a square MLP) read with GPT-2's translation, whose rules take its mlp.c_fc/c_proj
+    as GPT-2's Conv1D weights: refused naming GPT-Neo's fused qkv_proj, strict or not, nothing loaded (strict=False
+    loaded 20 of 28 keys, the MLP weights transposed); following the advice loads it bit-exact."""
+    neo = tiny_model("gpt_neo", seed=7, dtype=torch.float32, intermediate_size=tiny_config("gpt_neo").hidden_size)
+    ours = MODULES["gpt_neo"].translate_hf_state_dict_to_smpckpt(neo.state_dict())
+    ours.pop("lm_head.weight", None)
+    smpckpt.save_checkpoint(str(tmp_path), "full", partial=False, model=Holder({k: v.clone() for k, v in ours.items()}))
+    url = str(tmp_path / "full")
+    dims = {"n_inner": tiny_config("gpt2").n_embd, "n_embd": tiny_config("gpt_neo").hidden_size}
+    gpt2 = tiny_model("gpt2", seed=7, dtype=torch.float32, **dims)
+    want = MODULES["gpt2"].translate_hf_state_dict_to_smpckpt(gpt2.state_dict())
+    for strict in (True, False):
+        dst = Holder({k: torch.zeros_like(v) for k, v in want.items()})
+        with pytest.raises(
+            smpckpt.errors.LayoutMismatch,
+            match=r"full: translation 'gpt2' takes some of the tensors as Hugging Face names but leaves "
+            r"'transformer\.h\.0\.attn\.attention\.qkv_proj\.weight', 'transformer\.h\.1\.attn\.attention\.qkv_proj"
+            r"\.weight', which are gpt_neo's fused tensors in our names: the tensors are that family's model in our "
+            r"names, read as they are with its translation, smpckpt\.hf\.translation_for\('gpt_neo'\), into a model",
+        ):
+            smpckpt.resume_from_checkpoint(
+                url, None, partial=False, model=dst, strict=strict, translate_function=MODULES["gpt2"].TRANSLATION
+            )
+        assert all(not v.any() for v in dst.state_dict().values())
+    dst = Holder({k: torch.zeros_like(v) for k, v in ours.items()})
+    smpckpt.resume_from_checkpoint(
+        url, None, partial=False, model=dst, translate_function=smpckpt.hf.translation_for("gpt_neo")
+    )
+    assert [k for k, v in ours.items() if not torch.equal(dst.state_dict()[k], v)] == []

@@ -242,7 +242,7 @@ def _verify_legacy(
         done += end
         if progress:
             progress(done, total)
-    return VerifyReport(url, "legacy", len(needed), 0, tuple(problems), False)
+    return VerifyReport(url, "legacy", len(needed), total, tuple(problems), False)
 
 
 def remove_checkpoint(

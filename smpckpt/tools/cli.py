@@ -297,6 +297,13 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         fast = verify_fast(local, durable_key(root, args.storage_options), tag, progress=bar)
     fast_committed = fast is not None and (fast.manifest is not None or bool(fast.problems))
     if state not in ("committed", "legacy") and not fast_committed:
+        # PATH/TAG held only as a committed (or stock DCP) full export: that folder, as before (rev71h M3)
+        full = f"{root}/{tag}"
+        named_partial = args.checkpoint.rstrip("/").endswith(PARTIAL_SUFFIX)
+        full_state = "missing" if named_partial else checkpoint_state(full, args.storage_options)
+        if full_state in ("committed", "legacy"):
+            url, state = full, full_state
+    if state not in ("committed", "legacy") and not fast_committed:
         held = (
             "holds it" if fast is None else "holds it committed (files without a manifest: a save that did not finish)"
         )

@@ -101,6 +101,11 @@ def test_stock_checkpoint_read_as_legacy(backend: Backend) -> None:
     assert_state_equal(sd, roundtrip_load(sd, url, opts))
     report = verify_checkpoint(url, opts)
     assert report.ok and not report.checksummed and report.state == "legacy"
+    # the bytes the records reference, every data file's, counted (rev71h L1: reported 0)
+    fs, path, names = _fs_files(url, opts)
+    data = [n for n in names if n.endswith(".distcp")]
+    assert report.files_checked == len(data) > 0
+    assert report.bytes_checked == sum(fs.size(f"{path}/{n}") for n in data) > 0
 
 
 def test_torch_save_format_readable_by_stock_dcp(backend: Backend) -> None:

@@ -515,7 +515,14 @@ def saved_ties(entries: Mapping[str, Entry]) -> dict[str, str]:
     owner of its replicas), as the same pair in the other key order (the split key tied to the other) saves
     tied: a tie is split when either key is, and both orders save and load bit-exact (rev71a L1)."""
     tied = tied_entries(entries)
-    return {a: f for a, f in tied.items() if entries[a].sharded_axes or not entries[f].sharded_axes}
+    kept: dict[str, str] = {}
+    roots: dict[str, str] = {}  # split first key -> its tie's first unsplit key (the others tie to it)
+    for a, f in tied.items():
+        if entries[a].sharded_axes or not entries[f].sharded_axes:
+            kept[a] = f
+        elif roots.setdefault(f, a) != a:
+            kept[a] = roots[f]
+    return kept
 
 
 def gather_ties(plans: list[SavePlan]) -> dict[str, str]:

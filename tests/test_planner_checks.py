@@ -321,6 +321,33 @@ def test_a_pair_tied_where_only_one_key_is_split_saves_alike_in_either_key_order
         save(world(-e), TP2, specs)
 
 
+@pytest.mark.parametrize("order", [("emb", "head", "out"), ("head", "emb", "out"), ("head", "out", "emb")])
+def test_three_keys_tied_where_only_the_first_is_split_save_in_every_key_order(order):
+    """The pair's rule for a group of three: ``emb`` split with every row on TP rank 1, ``head`` and ``out``
+    whole and one tensor on every rank (on rank 1 also ``emb``'s). In order emb, head, out rank 1 dropped both
+    ties to the split ``emb`` while rank 0 kept ``out`` tied to ``head``: refused (rev71g M1). The unsplit keys
+    now tie to the group's first unsplit key: every order saves and loads bit-exact, same layout and whole."""
+    e = torch.arange(6.0).reshape(3, 2)
+    specs = {"emb": ShardSpec(0, sizes=(0, 3))}
+
+    def world(fill):
+        sds = []
+        for rows in (0, 3):
+            emb = e[:rows].clone() if fill is None else torch.full((rows, 2), fill)
+            head = emb if rows else (e.clone() if fill is None else torch.full((3, 2), fill))
+            held = {"emb": emb, "head": head, "out": head}
+            sds.append({k: held[k] for k in order})
+        return sds
+
+    store, _ = save(world(None), TP2, specs)
+    backs = world(-1.0)
+    load(backs, TP2, store, specs)
+    assert torch.equal(backs[1]["emb"], e) and all(torch.equal(b[k], e) for b in backs for k in ("head", "out"))
+    back = {k: torch.zeros(3, 2) for k in order}
+    load([back], ParallelLayout(), store)
+    assert all(torch.equal(back[k], e) for k in order)
+
+
 def test_async_staging_leaves_empty_pieces_untied_and_saves_as_a_synchronous_save():
     """Staging copies an empty tensor into a buffer of its own (no address to share), as the planners tie no
     empty piece: a tied pair's empty piece and a flat partition's empty views stage apart; staged, the pair

@@ -760,6 +760,61 @@ def test_list_state_counts_as_the_optimizers_state_dict_holds_it(tmp_path: Any) 
         save_checkpoint(str(tmp_path), "b", model=m, optimizer=nested)
 
 
+class _Dotted(torch.optim.SGD):
+    """Keeps state under a dotted top-level name and, with ``inner``, a dict keyed by ``inner`` too."""
+
+    def __init__(self, params: Any, inner: Any = None) -> None:
+        super().__init__(params, lr=0.1)
+        self.inner = inner
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
+            st = self.state[p]
+            keys = ["z"] + ([] if self.inner is None else [self.inner])
+            st.setdefault("a.b", torch.zeros_like(p)).add_(p.grad / 3)
+            nest = st.setdefault("nest", {k: torch.zeros_like(p) for k in keys})
+            for j, k in enumerate(keys):
+                nest[k].mul_(0.5).add_(p.grad / (j + 5))
+        return super().step()
+
+
+@pytest.mark.parametrize("inner", ["x.y", 0])
+def test_nested_optimizer_state_keys_that_would_come_back_restructured_are_refused(tmp_path: Any, inner: Any) -> None:
+    """rev71h M2: DCP joins nested state keys with '.' and splits them at the load: {"nest": {"x.y": t}} came
+    back as {"nest": {"x": {"y": t}}} (and {0: t} as {"0": t}), the next step a KeyError. Refused at the save
+    and the resume naming optimizer, parameter and key; a dotted top-level state name round-trips bit-exactly."""
+
+    def build(seed: int, inner: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        m = nn.Linear(3, 2)
+        o = _Dotted(m.parameters(), inner)
+        m(torch.randn(2, 3)).sum().backward()
+        o.step()
+        return m, o
+
+    m, o = build(0)
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    m2, o2 = build(1)
+    resume_from_checkpoint(str(tmp_path), "a", model=m2, optimizer=o2)
+    assert _equal(m, m2)
+    for p, p2 in zip(m.parameters(), m2.parameters()):
+        assert list(o2.state[p2]) == list(o.state[p]) and torch.equal(o2.state[p2]["a.b"], o.state[p]["a.b"])
+        assert list(o2.state[p2]["nest"]) == ["z"] and torch.equal(o2.state[p2]["nest"]["z"], o.state[p]["nest"]["z"])
+    want = (
+        f"optimizer 0 (_Dotted) holds a dict under state key 'nest' of parameter 'weight' with the inner key {inner!r}: "
+        "torch.distributed.checkpoint joins nested optimizer state keys with '.' and splits them again at the load"
+    )
+    bad_m, bad_o = build(2, inner)
+    with pytest.raises(ValueError) as saving:
+        save_checkpoint(str(tmp_path), "b", model=bad_m, optimizer=bad_o)
+    assert str(saving.value).startswith(want)
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["a_partial", "newest"]
+    with pytest.raises(ValueError) as resuming:
+        resume_from_checkpoint(str(tmp_path), "a", model=bad_m, optimizer=bad_o)
+    assert str(resuming.value).startswith(want)
+
+
 def test_a_parameter_left_out_of_the_optimizer_with_saved_state_is_refused_saying_why(tmp_path: Any) -> None:
     """hunt66c L3: trained at save, frozen and left out of the optimizer at the resume: refused naming only
     the optimizer keys no rank loads, not why nor what to do."""

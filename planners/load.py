@@ -90,6 +90,8 @@ class LoadReport:
     stateless_saved: tuple[str, ...] = ()
     #: optimizer state keys (this rank's) saved in a dtype other than their parameter's: kept as loaded
     own_dtype: tuple[str, ...] = ()
+    #: this rank's state-dict keys the load left unfilled (missing, skipped optional): they keep their values
+    unfilled: tuple[str, ...] = ()
 
 
 class ParallelLoadPlanner(LayoutScope, LoadPlanner):
@@ -275,6 +277,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             tied,
             tuple(sorted(never)),
             tuple(RESERVED.in_own_dtype({e.local_key: sources.get(k, k) for k, e in self.entries.items()}, md_all)),
+            tuple(self.entries[k].local_key for k in (*missing, *skipped)),
         )
         if resharded:
             logger.info("rank %d: resharding %d tensors (fast path for %d)", self.rank, len(resharded), fast)

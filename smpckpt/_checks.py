@@ -47,17 +47,29 @@ def check_process_group(process_group: Any, name: str = "process_group") -> None
 
 def refuse_unflattenable(model: Any, optimizers: Sequence[Any]) -> None:
     """DCP's ``get_state_dict`` flattens each optimizer's ``state_dict()["state"]`` and refuses values other than
-    tensors, numbers and dicts (LBFGS's lists) naming neither optimizer nor key: named here, before any I/O."""
+    tensors, numbers and dicts (LBFGS's lists) naming neither optimizer nor key: named here, before any I/O.
+    It joins nested keys with ``.`` and splits them on ``.`` again at the load: an inner key (below a state
+    name) holding a ``.`` or not a ``str`` would come back restructured (``{"x.y": t}`` as ``{"x": {"y": t}}``,
+    ``{0: t}`` as ``{"0": t}``), so it is refused too. A top-level state name is looked up whole: any is fine."""
     import torch
 
+    kinds = (torch.Tensor, int, float)
     for i, opt in enumerate(optimizers):
-        if _first_odd(opt.state, (torch.Tensor, int, float)) is None:  # the common case: no state_dict() built twice
+        if _first_odd(opt.state, kinds, 0) is None:  # the common case: no state_dict() built twice
             continue
-        odd = _first_odd(opt.state_dict()["state"], (torch.Tensor, int, float))
+        odd = _first_odd(opt.state_dict()["state"], kinds, 0)
         if odd is not None:
             (index, *key), value = odd  # state_dict() keys state by the parameter's index in its groups
             p = dict(enumerate(q for group in opt.param_groups for q in group["params"])).get(index)
             name, at = next((n for n, q in model.named_parameters() if q is p), index), ".".join(map(str, key))
+            if isinstance(value, _BadKey):
+                raise ValueError(
+                    f"optimizer {i} ({type(opt).__name__}) holds a dict under state key {at!r} of parameter "
+                    f"{name!r} with the inner key {value.key!r}: torch.distributed.checkpoint joins nested optimizer "
+                    "state keys with '.' and splits them again at the load, so it would come back restructured; "
+                    "use str inner keys without '.', or leave the optimizer out of optimizer= and put its "
+                    "state_dict() in user_content"
+                )
             raise TypeError(
                 f"optimizer {i} ({type(opt).__name__}) holds a {type(value).__name__} under state key {at!r} of "
                 f"parameter {name!r}: torch.distributed.checkpoint keeps only tensor, int, float and dict optimizer "
@@ -65,11 +77,26 @@ def refuse_unflattenable(model: Any, optimizers: Sequence[Any]) -> None:
             )
 
 
-def _first_odd(tree: Mapping[Any, Any], kinds: tuple[type, ...]) -> tuple[list[Any], Any] | None:
-    """The keys down to the first value of nested dicts that is none of ``kinds``, and that value."""
+class _BadKey:
+    """What :func:`_first_odd` finds at an inner key that would not come back as it is (``key``)."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+
+def _first_odd(tree: Mapping[Any, Any], kinds: tuple[type, ...], depth: int) -> tuple[list[Any], Any] | None:
+    """The keys down to the first value of nested dicts that is none of ``kinds``, and that value; or down to
+    the dict holding the first key below a state name (``depth`` 2 on: ``state[param][name][key]``) that is
+    not a ``str`` without ``.``, and that key as a :class:`_BadKey`."""
     for key, value in tree.items():
+        if depth >= 2 and not (isinstance(key, str) and "." not in key):
+            return [], _BadKey(key)
         found = (
-            _first_odd(value, kinds) if isinstance(value, dict) else None if isinstance(value, kinds) else ([], value)
+            _first_odd(value, kinds, depth + 1)
+            if isinstance(value, dict)
+            else None
+            if isinstance(value, kinds)
+            else ([], value)
         )
         if found is not None:
             return [key, *found[0]], found[1]

@@ -400,8 +400,10 @@ def apply_state(
                 frozen = [p for o in req.optimizers for p in o.state if not p.requires_grad and any(f(p) for f in can)]
                 ints = [(o, p) for o in req.optimizers for p in o.state if not any(f(p) for f in can)]
                 # state saved in a dtype other than its parameter's, as loaded (torch's load_state_dict casts floating
-                # state to its parameter's: fp32 moments of a bf16 model were rounded to bf16, hunt71d; nested too)
-                own = {id(sd.get(k.partition(".")[2])) for k in (report.own_dtype if report else ())} - {id(None)}
+                # state to its parameter's: fp32 moments of a bf16 model were rounded to bf16, hunt71d; nested too),
+                # and live state the load left unfilled, as it was (strict=False's new parameters, rev71h M1)
+                keep = (*report.own_dtype, *report.unfilled) if report else ()
+                own = {id(sd.get(k.partition(".")[2])) for k in keep if k.startswith(f"{RESERVED.optim}.")} - {id(None)}
                 filled = [(o, p, *leaf) for o in req.optimizers for p, s in o.state.items() for leaf in _leaves(s, own)]
                 try:
                     for p in frozen:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 from typing import Any
 
 import pytest
@@ -760,6 +761,61 @@ def test_list_state_counts_as_the_optimizers_state_dict_holds_it(tmp_path: Any) 
         save_checkpoint(str(tmp_path), "b", model=m, optimizer=nested)
 
 
+class _Dotted(torch.optim.SGD):
+    """Keeps state under a dotted top-level name and, with ``inner``, a dict keyed by ``inner`` too."""
+
+    def __init__(self, params: Any, inner: Any = None) -> None:
+        super().__init__(params, lr=0.1)
+        self.inner = inner
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
+            st = self.state[p]
+            keys = ["z"] + ([] if self.inner is None else [self.inner])
+            st.setdefault("a.b", torch.zeros_like(p)).add_(p.grad / 3)
+            nest = st.setdefault("nest", {k: torch.zeros_like(p) for k in keys})
+            for j, k in enumerate(keys):
+                nest[k].mul_(0.5).add_(p.grad / (j + 5))
+        return super().step()
+
+
+@pytest.mark.parametrize("inner", ["x.y", 0])
+def test_nested_optimizer_state_keys_that_would_come_back_restructured_are_refused(tmp_path: Any, inner: Any) -> None:
+    """rev71h M2: DCP joins nested state keys with '.' and splits them at the load: {"nest": {"x.y": t}} came
+    back as {"nest": {"x": {"y": t}}} (and {0: t} as {"0": t}), the next step a KeyError. Refused at the save
+    and the resume naming optimizer, parameter and key; a dotted top-level state name round-trips bit-exactly."""
+
+    def build(seed: int, inner: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        m = nn.Linear(3, 2)
+        o = _Dotted(m.parameters(), inner)
+        m(torch.randn(2, 3)).sum().backward()
+        o.step()
+        return m, o
+
+    m, o = build(0)
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    m2, o2 = build(1)
+    resume_from_checkpoint(str(tmp_path), "a", model=m2, optimizer=o2)
+    assert _equal(m, m2)
+    for p, p2 in zip(m.parameters(), m2.parameters()):
+        assert list(o2.state[p2]) == list(o.state[p]) and torch.equal(o2.state[p2]["a.b"], o.state[p]["a.b"])
+        assert list(o2.state[p2]["nest"]) == ["z"] and torch.equal(o2.state[p2]["nest"]["z"], o.state[p]["nest"]["z"])
+    want = (
+        f"optimizer 0 (_Dotted) holds a dict under state key 'nest' of parameter 'weight' with the inner key {inner!r}: "
+        "torch.distributed.checkpoint joins nested optimizer state keys with '.' and splits them again at the load"
+    )
+    bad_m, bad_o = build(2, inner)
+    with pytest.raises(ValueError) as saving:
+        save_checkpoint(str(tmp_path), "b", model=bad_m, optimizer=bad_o)
+    assert str(saving.value).startswith(want)
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["a_partial", "newest"]
+    with pytest.raises(ValueError) as resuming:
+        resume_from_checkpoint(str(tmp_path), "a", model=bad_m, optimizer=bad_o)
+    assert str(resuming.value).startswith(want)
+
+
 def test_a_parameter_left_out_of_the_optimizer_with_saved_state_is_refused_saying_why(tmp_path: Any) -> None:
     """hunt66c L3: trained at save, frozen and left out of the optimizer at the resume: refused naming only
     the optimizer keys no rank loads, not why nor what to do."""
@@ -875,6 +931,40 @@ def test_optimizer_state_keeps_its_saved_dtype_not_its_parameters(tmp_path: Any,
             model(x).sum().backward()
             opt.step()
         assert _equal(m2, m3), steps
+
+
+def test_live_optimizer_state_the_resume_does_not_fill_keeps_its_dtype_and_values(tmp_path: Any) -> None:
+    """rev71h M1: live fp32 state of a bf16 model that the load did not fill was still cast to bf16 by torch's
+    ``load_state_dict``: (1) ``strict=False``, a parameter new in the model (README: it keeps what it had; max
+    error 0.0014); (2) a full artifact exported without optimizer state (README: a live optimizer is left as it
+    was). Now bit-exact as before the resume, nested state included; the loaded parameters' state as saved."""
+
+    def run(seed: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        m = nn.Sequential(*(nn.Linear(8, 8) for _ in range(layers))).bfloat16()
+        o = _MomentIn(m.parameters())
+        for _ in range(2):
+            o.zero_grad()
+            m(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()
+            o.step()
+        return m, o
+
+    def leaves(o: torch.optim.Optimizer, p: torch.Tensor) -> list[torch.Tensor]:
+        return [o.state[p]["m"], o.state[p]["nest"]["m"]]
+
+    m, o = run(0, 1)
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    save_checkpoint(str(tmp_path), "a", partial=False, model=m, optimizer=o)  # without optimizer state
+    for partial, layers in ((False, 1), (True, 2)):
+        m2, o2 = run(1, layers)
+        before = {n: [t.clone() for t in leaves(o2, p)] for n, p in m2.named_parameters()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # strict=False's warning naming the new parameter's keys
+            resume_from_checkpoint(str(tmp_path), "a", partial=partial, model=m2, optimizer=o2, strict=False)
+        for n, p2 in m2.named_parameters():
+            want = leaves(o, dict(m.named_parameters())[n]) if partial and n.startswith("0.") else before[n]
+            for got, w in zip(leaves(o2, p2), want):
+                assert got.dtype == torch.float32 and torch.equal(got, w), (partial, n, got.dtype)
 
 
 def test_state_saved_in_its_parameters_dtype_follows_a_model_cast_at_the_resume(tmp_path: Any) -> None:

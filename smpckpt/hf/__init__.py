@@ -64,7 +64,13 @@ def _refuse_fused_ours(translation: Translation, shapes: Mapping[str, Sequence[i
         hit = next((n for tail, t, n in tails if key.endswith(tail) and _template_regex(t).fullmatch(key)), None)
         if hit is not None and translation.rule_of(key, shapes, "ours") is None:  # Llama's, Mistral's, Qwen2's
             found.setdefault(" or ".join(f"{n}'s" for n in hit), []).append(key)
-    if not found or not any(translation.rule_of(k, shapes, "artifact") is not None for k in shapes):
+    if not found:
+        return
+    # only a leftover in a layer whose other tensors the rules take: that layer is another family's in our names;
+    # a module of its own beside the model (a draft model in CodeGen's names) is read as it is (rev71c3 M1)
+    taken = {_layer(k) for k in shapes if translation.rule_of(k, shapes, "artifact") is not None} - {None}
+    found = {n: kept for n, ks in found.items() if (kept := [k for k in ks if _layer(k) in taken])}
+    if not found:
         return
     names, keys = max(found.items(), key=lambda item: len(item[1]))
     raise SpecError(
@@ -75,6 +81,13 @@ def _refuse_fused_ours(translation: Translation, shapes: Mapping[str, Sequence[i
     )
 
 
+def _layer(key: str) -> str | None:
+    """The key up to and with its first numbered field (``transformer.h.0.``): its layer; ``None``: none."""
+    found = _LAYER_FIELD.search(key)
+    return key[: found.end()] if found else None
+
+
+_LAYER_FIELD = re.compile(r"\.\d+\.")
 #: what may follow a family's class prefix in ``architectures`` (``GPTJ`` + ``ForCausalLM``)
 _HEADS = re.compile(r"(For[A-Z]\w*|LMHeadModel|DoubleHeadsModel|Model|PreTrainedModel)")
 

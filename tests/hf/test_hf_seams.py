@@ -710,7 +710,9 @@ def test_untranslated_artifact_no_translation_rule_takes_loads_as_it_is(tmp_path
         sd, translation = {k: v for k, v in _neo_ours().items() if ".attn." not in k}, MODULES["gpt_neo"].TRANSLATION
     else:
         hf = tiny_model("gpt2", seed=7, dtype=torch.float32).state_dict()
-        sd = {k: v for k, v in hf.items() if not k.endswith(("attn.bias", "masked_bias")) and k != "lm_head.weight"}
+        sd = {
+            k: v for k, v in hf.items() if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"
+        }
         translation = Translation("mine", rules=(rename("head.w", "head.weight"),))
     model, opt, url = _save_as_is(sd, tmp_path)
     dst = Holder({k: torch.zeros_like(v) for k, v in sd.items()})
@@ -812,7 +814,9 @@ def test_untranslated_artifact_loads_into_a_stage_with_a_new_key_under_strict_fa
 
     if case == "gpt2_names_own_translation":
         hf = tiny_model("gpt2", seed=7, dtype=torch.float32).state_dict()
-        sd = {k: v for k, v in hf.items() if not k.endswith(("attn.bias", "masked_bias")) and k != "lm_head.weight"}
+        sd = {
+            k: v for k, v in hf.items() if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"
+        }
         translation = Translation("mine", rules=(rename("head.w", "head.weight"),))
     else:
         name = case.removesuffix("_ours_no_rules")
@@ -828,6 +832,35 @@ def test_untranslated_artifact_loads_into_a_stage_with_a_new_key_under_strict_fa
     got = dst.state_dict()
     assert [k for k in got if k != "score.weight" and not torch.equal(got[k], sd[k])] == []
     assert torch.equal(got["score.weight"], torch.zeros(3))
+
+
+def test_a_folder_with_a_module_in_another_familys_fused_name_beside_the_model_loads_as_it_did(
+    tmp_path: Path,
+) -> None:
+    """A Llama folder with one more module whose name is GPT-J's fused tensor in our names (CodeGen's own
+    Hugging Face name: a draft model stored beside it) reads as it always did with llama's translation, strict
+    and not, and through the eager helper: the leftover shares no layer with what the rules take (rev71c3 M1:
+    refused as 'gptj's fused tensors in our names')."""
+    from safetensors.torch import save_file
+
+    hf = dict(tiny_model("llama", seed=7, dtype=torch.float32).state_dict())
+    extra = {"transformer.h.0.attn.qkv_proj.weight": torch.randn(96, 32)}
+    save_file({k: v.contiguous() for k, v in {**hf, **extra}.items()}, str(tmp_path / "model.safetensors"))
+    want = {**MODULES["llama"].translate_hf_state_dict_to_smpckpt(hf), **extra}
+    for strict in (True, False):
+        dst = Holder({k: torch.zeros_like(v) for k, v in want.items()})
+        smpckpt.resume_from_checkpoint(
+            str(tmp_path),
+            None,
+            partial=False,
+            model=dst,
+            strict=strict,
+            translate_function=MODULES["llama"].TRANSLATION,
+        )
+        assert [k for k, v in want.items() if not torch.equal(dst.state_dict()[k], v)] == []
+    assert "transformer.h.0.attn.qkv_proj.weight" in MODULES["llama"].translate_hf_state_dict_to_smpckpt(
+        {**hf, **extra}
+    )
 
 
 def test_gpt_neo_in_our_names_read_with_gpt2s_translation_is_refused_naming_gpt_neo(tmp_path: Path) -> None:

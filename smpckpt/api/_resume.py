@@ -508,8 +508,14 @@ def stateless_at_save(
     # strict: a missing key was refused before anything was read; optional ones (a full artifact's
     # optimizer state) are skipped, not missing
     saved_without = set(report.stateless_saved)  # the checkpoint says: no state when saved
-    if all_state_saved:  # a full artifact holding optimizer state: what it skips had none when saved
-        saved_without |= {k for k in report.skipped_optional if k.startswith(f"{RESERVED.optim}.state.")}
+    if all_state_saved:  # a full artifact holding optimizer state: what it skips had none when saved, unless its
+        # parameter is not in the artifact either (new in the model: its live state is kept, rev71h2 M1)
+        params, states = f"{RESERVED.model}.", f"{RESERVED.optim}.state."
+        new = {k[len(params) :] for k in (*report.missing_keys, *report.skipped_optional) if k.startswith(params)}
+        owner = RESERVED.state_owner
+        saved_without |= {
+            k for k in report.skipped_optional if k.startswith(states) and not owner(k[len(states) :], new)
+        }
     gone_keys = (*report.missing_keys, *report.skipped_optional, *saved_without)
     if not gone_keys:
         return frozenset()

@@ -296,8 +296,9 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     with _progress_bar(err, args.progress) as bar:
         fast = verify_fast(local, durable_key(root, args.storage_options), tag, progress=bar)
     fast_committed = fast is not None and (fast.manifest is not None or bool(fast.problems))
-    if state not in ("committed", "legacy") and not fast_committed:
-        # PATH/TAG held only as a committed (or stock DCP) full export: that folder, as before (rev71h M3)
+    if state == "missing" and not fast_committed:
+        # PATH/TAG held only as a committed (or stock DCP) full export: that folder, as before (rev71h M3); not
+        # past a partial save that did not finish, which is reported (rev71h2 L1), as resolve_checkpoint_url does
         full = f"{root}/{tag}"
         named_partial = args.checkpoint.rstrip("/").endswith(PARTIAL_SUFFIX)
         full_state = "missing" if named_partial else checkpoint_state(full, args.storage_options)

@@ -955,14 +955,19 @@ def test_live_optimizer_state_the_resume_does_not_fill_keeps_its_dtype_and_value
     m, o = run(0, 1)
     save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
     save_checkpoint(str(tmp_path), "a", partial=False, model=m, optimizer=o)  # without optimizer state
-    for partial, layers in ((False, 1), (True, 2)):
+    with_optim = smpckpt.api.options.ExportOptions(include_optimizer=True)
+    save_checkpoint(str(tmp_path), "b", partial=False, model=m, optimizer=o, options=with_optim)
+    # (3) a full artifact with optimizer state and a parameter new in the model: its live state kept, not
+    # dropped as "had none when saved" (rev71h2 M1)
+    for tag, partial, layers in (("a", False, 1), ("a", True, 2), ("b", False, 2)):
         m2, o2 = run(1, layers)
         before = {n: [t.clone() for t in leaves(o2, p)] for n, p in m2.named_parameters()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # strict=False's warning naming the new parameter's keys
-            resume_from_checkpoint(str(tmp_path), "a", partial=partial, model=m2, optimizer=o2, strict=False)
+            resume_from_checkpoint(str(tmp_path), tag, partial=partial, model=m2, optimizer=o2, strict=False)
         for n, p2 in m2.named_parameters():
-            want = leaves(o, dict(m.named_parameters())[n]) if partial and n.startswith("0.") else before[n]
+            loaded = (partial or tag == "b") and n.startswith("0.")
+            want = leaves(o, dict(m.named_parameters())[n]) if loaded else before[n]
             for got, w in zip(leaves(o2, p2), want):
                 assert got.dtype == torch.float32 and torch.equal(got, w), (partial, n, got.dtype)
 

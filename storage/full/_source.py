@@ -453,7 +453,8 @@ class ArtifactIndex:
             if art != "model":  # under the saved parameters' names, which the translation does not rename
                 key = expr.key if isinstance(expr, Leaf) else ""
                 at = fqn[: len(fqn) - len(key)] if key and fqn.endswith(key) else fqn
-                refuse.setdefault(at, self._unrenamed(art, at, translation))
+                if at not in refuse:  # the words once per prefix, not per tensor (60k optimizer tensors)
+                    refuse[at] = self._unrenamed(art, at, translation)
             del self.exprs[fqn]
             metadata.state_dict_metadata.pop(fqn, None)
             data.pop(fqn, None)
@@ -514,8 +515,6 @@ def hf_folder_ties(fs: Any, path: str, keys: Iterable[str], translation: Transla
     if config.get("tie_word_embeddings") is False:
         return {}
     if translation is None:
-        from smpckpt.hf import TRANSLATIONS  # lazily: only folders with a config of a known family
-
         translation = TRANSLATIONS.get(str(config.get("model_type")))
         if translation is None:
             return {}

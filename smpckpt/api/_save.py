@@ -65,10 +65,11 @@ from smpckpt.catalog.root import (
     SequenceCounter,
     apply_retention,
     join_url,
+    newest_record,
     open_root,
     write_newest,
 )
-from smpckpt.errors import CheckpointError, LayoutMismatch, ReplicaMismatch
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, ReplicaMismatch, UnsafeCheckpoint
 from smpckpt.model.layout import API_RECORD, FULL_API_RECORD, RESERVED
 from smpckpt.planners import ParallelSavePlanner
 from smpckpt.planners._replica_values import KEYS_WAY, RANK_WAY, replica_differences
@@ -78,6 +79,7 @@ from smpckpt.storage.write.writer import Workers
 
 __all__ = ["SaveRequest", "manifest_extra", "job_token", "build_save_state", "write_checkpoint", "run_save"]
 __all__ += ["publish_newest", "retain", "PlannerCache", "save_full", "resume_full", "full_url", "not_found_hint"]
+__all__ += ["refuse_damaged_newest"]
 
 
 log = logging.getLogger("smpckpt.api")
@@ -527,4 +529,23 @@ def not_found_hint(root: str, storage_options: Any) -> str:
     return (
         f"; {root} is itself a checkpoint folder: pass its parent as path and its name as tag "
         f"(resume_from_checkpoint({parent or '.'!r}, tag={tag!r}))"
+    )
+
+
+def refuse_damaged_newest(ctx: DistContext, root: str, storage_options: Any) -> None:
+    """(all ranks; a tag-less resume that found nothing committed) Refuse when ``newest`` names a folder that
+    is there but damaged, unreadable or without its manifest: ``newest`` moves only after a commit, so that
+    is the job's progress, broken -- no fresh start (``missing_ok``) and no "nothing committed"."""
+    rec = ctx.on_coordinator(lambda: newest_record(root, storage_options))
+    if rec is None or rec.state in ("committed", "missing", "removing", "legacy"):
+        return
+    errors = {"unreadable": CheckpointError, "unsafe": UnsafeCheckpoint}
+    raise errors.get(rec.state, CheckpointCorrupt)(
+        f"{root}/newest names {rec.tag!r}, which is {rec.state} ({rec.detail}) and no other checkpoint is "
+        "committed: not starting fresh (missing_ok does not apply to a checkpoint that is there); "
+        + (
+            "retry the resume"
+            if rec.state == "unreadable"
+            else "restore it (a copy still syncing: wait), pass tag= to choose another, or remove it and newest"
+        )
     )

@@ -45,6 +45,7 @@ from smpckpt.api._save import (
     full_url,
     not_found_hint,
     publish_newest,
+    refuse_damaged_newest,
     resume_full,
     retain,
     save_full,
@@ -62,8 +63,8 @@ from smpckpt.api.options import (
     Sharding,
     check_groups,
 )
-from smpckpt.catalog.root import SequenceCounter, newest_record, partial_url, validate_tag
-from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
+from smpckpt.catalog.root import SequenceCounter, partial_url, validate_tag
+from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.layout import KeyMapper, ParallelLayout
 from smpckpt.storage.backends._fs import location_key, options_now
 
@@ -482,7 +483,7 @@ class Checkpointer:
                         target.seen_by(self._counter)
                 if target is None:
                     if tag is None:
-                        _refuse_damaged_newest(ctx, path, req.storage_options)
+                        refuse_damaged_newest(ctx, path, req.storage_options)
                     if opts.missing_ok:
                         log.info("no committed checkpoint under %s: starting fresh (missing_ok=True)", path)
                         return None
@@ -569,25 +570,6 @@ class Checkpointer:
             sync_files=opts.sync_files,
         )
         return out
-
-
-def _refuse_damaged_newest(ctx: DistContext, root: str, storage_options: Any) -> None:
-    """(all ranks; a tag-less resume that found nothing committed) Refuse when ``newest`` names a folder that
-    is there but damaged, unreadable or without its manifest: ``newest`` moves only after a commit, so that
-    is the job's progress, broken -- no fresh start (``missing_ok``) and no "nothing committed"."""
-    rec = ctx.on_coordinator(lambda: newest_record(root, storage_options))
-    if rec is None or rec.state in ("committed", "missing", "removing", "legacy"):
-        return
-    errors = {"unreadable": CheckpointError, "unsafe": UnsafeCheckpoint}
-    raise errors.get(rec.state, CheckpointCorrupt)(
-        f"{root}/newest names {rec.tag!r}, which is {rec.state} ({rec.detail}) and no other checkpoint is "
-        "committed: not starting fresh (missing_ok does not apply to a checkpoint that is there); "
-        + (
-            "retry the resume"
-            if rec.state == "unreadable"
-            else "restore it (a copy still syncing: wait), pass tag= to choose another, or remove it and newest"
-        )
-    )
 
 
 def _release(lanes: tuple[Lane, Lane], gate: StagingGate, join: bool = False, tier: FastTierPart | None = None) -> None:

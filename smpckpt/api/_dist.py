@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import smpckpt.errors as _errors
 from smpckpt._checks import check_process_group
 from smpckpt.errors import LOADED_IN_PLACE, CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
-from smpckpt.model.layout import RESERVED, NameMap, ParallelLayout
-from smpckpt.model.specs import SpecLike, SpecRules
+from smpckpt.model.layout import RESERVED, NameMap, ParallelLayout, wrap_name_map
+from smpckpt.model.specs import SpecRules
 from smpckpt.planners import ObjectBuffer
 from smpckpt.storage.format._safe_pickle import record_file
 
@@ -400,27 +400,6 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
                     where = two if opts[k] is not opt else f"param_groups {h} and {g} of optimizer {i}"
                     raise ValueError(f"parameter {name!r} is in {where}: pass optimizers over disjoint parameters")
     return model, opts
-
-
-def wrap_name_map(name_map: NameMap | None) -> NameMap | None:
-    """The user's map sees model/optimizer keys only; our own keys (rng, user_content) pass through."""
-    if name_map is None:
-        return None
-    own = (f"{RESERVED.rng}.", RESERVED.user_content)
-
-    def mapped(key: str) -> str:
-        if key.startswith(own[0]) or key == own[1]:
-            return key
-        return name_map(key)
-
-    return mapped
-
-
-def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
-    """The API's rules: each matches a stored key (``model.h.0.qkv.weight``) or the model's own name for it."""
-    if specs is not None and not isinstance(specs, (Mapping, SpecRules)):
-        raise TypeError(f"specs must be a mapping of glob -> ShardSpec, got {type(specs).__name__}")
-    return SpecRules.of(specs, also_under=(RESERVED.model,))
 
 
 def train_state(

@@ -20,12 +20,11 @@ from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.distributed.tensor import DTensor
 
 from smpckpt._checks import check_flag, check_int, check_process_group
-from smpckpt.api._dist import spec_rules
 from smpckpt.catalog.root import validate_keep
 from smpckpt.errors import LayoutMismatch, SpecError
 from smpckpt.model.layout import FULL_ARTIFACTS, RESERVED, NameMap, ParallelLayout
-from smpckpt.model.specs import SpecLike, SpecRules
-from smpckpt.model.translation import Translation
+from smpckpt.model.specs import SpecLike, SpecRules, spec_rules
+from smpckpt.model.translation import Translation, check_translation_function
 from smpckpt.storage import FullOptions
 from smpckpt.storage.backends._fs import OwnedOptions
 
@@ -56,8 +55,7 @@ def config_value(config: Any, name: str) -> Any:
 
 
 class _Options:
-    """What every option class shares: flags are booleans; :meth:`compared` lists the fields every rank
-    must pass alike."""
+    """What every option class shares: flags are checked booleans; :meth:`compared`."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
@@ -376,7 +374,7 @@ class ExportOptions(_Options):
             raise TypeError(
                 f"out_storage_options must be a mapping or None, got {type(self.out_storage_options).__name__}"
             )
-        _check_translation(self.translate_function)
+        check_translation_function(self.translate_function)
         if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
             raise ValueError(
                 f"dtype must be a floating-point torch.dtype (it casts floating tensors), got {self.dtype!r}"
@@ -453,7 +451,7 @@ class ResumeOptions(_Options):
             if fn is not None and not callable(fn):
                 raise TypeError("translate_function must be callable (state_dict -> state_dict)")
             return
-        _check_translation(self.translate_function, "with partial=False, ")
+        check_translation_function(self.translate_function, "with partial=False, ")
         wrong = [
             name for name, default in (("missing_ok", False), ("load_rng", True)) if getattr(self, name) != default
         ]
@@ -462,18 +460,14 @@ class ResumeOptions(_Options):
             raise ValueError(f"{', '.join(wrong)} {verb} only to partial checkpoints (partial=True)")
 
 
-# -- what a partial resume checks of the caller's optimizers and ResumeOptions.translate_function before it
-# applies the state, and the function applied (here, not in _resume, by concept: their meaning) ----------
+# -- a partial resume's checks of the optimizers and translate_function before the apply; the function applied --
 
 
 def check_groups(req: ResumeRequest, state: dict[str, Any]) -> tuple[str, ...]:
-    """(all ranks, its own ``ctx.all_ok`` before :func:`apply_state`) What every rank decides before any
-    enters ``set_state_dict`` (whose collectives a lone refusal would hang, and after which a lone
-    failure leaves the ranks on different checkpoints): a param group whose parameters were saved with
-    different hyper-parameters is refused (``strict``; else warned: ``set_state_dict`` would silently give
-    them all the first one's), and the ``translate_function``'s state dict (user code: raising on one rank
-    stops every rank before any applies) replaces ``state``'s model entry. Returns the keys the function
-    left unloaded."""
+    """(all ranks, in ``ctx.all_ok`` before :func:`apply_state`: a lone failure in ``set_state_dict`` would hang
+    its collectives or leave ranks on different checkpoints) Refuse a param group saved with differing
+    hyper-parameters (``strict``; else warn: ``set_state_dict`` gives all the first one's), then put the
+    ``translate_function``'s state dict in ``state``'s model entry. Returns the keys it left unloaded."""
     model, optim_sd = req.model, state.get(RESERVED.optim, {})
     present = {k[len("param_groups.") :].rpartition(".")[0] for k in optim_sd if k.startswith("param_groups.")}
     names: dict[int, list[str]] = {}
@@ -588,13 +582,3 @@ def _where(value: torch.Tensor) -> tuple[Any, ...]:
     local = value.to_local() if isinstance(value, DTensor) else value
     at = local.untyped_storage().data_ptr(), local.data_ptr(), tuple(local.shape), local.stride()
     return (*at, local.dtype, local.is_conj(), local.is_neg())
-
-
-def _check_translation(fn: Any, prefix: str = "") -> None:
-    """A full checkpoint's ``translate_function``: a :class:`Translation` or ``None``."""
-    if fn is not None and not isinstance(fn, Translation):
-        raise TypeError(
-            f"{prefix}translate_function must be a smpckpt.model.translation.Translation (for example "
-            "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard (plain callables would "
-            f"need the whole state dict on one rank); got {type(fn).__name__}"
-        )

@@ -30,7 +30,7 @@ __all__ = ["ParallelLayout", "RankCoords", "AXES", "KeyMapper", "NameMap", "Rese
 __all__ += ["OPTIM_STATE_PREFIX", "FULL_ARTIFACTS", "API_RECORD", "API_RECORD_V1", "FULL_API_RECORD", "LayoutRecord"]
 __all__ += ["METADATA_KEY", "MANIFEST_KEY", "RECORD_VERSION", "TIED_KEY", "checkpoint_ties", "MERGED_KEY"]
 __all__ += ["UNREAD_KEY"]
-__all__ += ["wrapped"]
+__all__ += ["wrapped", "wrap_name_map"]
 __all__ += ["checkpoint_original_shapes"]
 
 
@@ -529,3 +529,17 @@ def _recorded(metadata: Any, field: str, key: str) -> Mapping[str, Any]:
     data = getattr(metadata, "planner_data", None)
     found = data.get(key) if isinstance(data, Mapping) else None
     return found if isinstance(found, Mapping) else {}
+
+
+def wrap_name_map(name_map: NameMap | None) -> NameMap | None:
+    """The user's map sees model/optimizer keys only; our own keys (rng, user_content) pass through."""
+    if name_map is None:
+        return None
+    own = (f"{RESERVED.rng}.", RESERVED.user_content)
+
+    def mapped(key: str) -> str:
+        if key.startswith(own[0]) or key == own[1]:
+            return key
+        return name_map(key)
+
+    return mapped

@@ -15,9 +15,10 @@ from typing import Any, Union
 import torch
 
 from smpckpt.errors import SpecError
-from smpckpt.model.layout import OPTIM_STATE_PREFIX, RankCoords
+from smpckpt.model.layout import OPTIM_STATE_PREFIX, RESERVED, RankCoords
 
 __all__ = ["ShardSpec", "SpecRules", "SpecLike", "ShardGeometry", "shard_geometry", "OPTIMIZER_STATE_PREFIXES"]
+__all__ += ["spec_rules"]
 
 #: Key prefixes under which torch's FQN-keyed optimizer state lives (``get_state_dict`` with
 #: ``flatten_optimizer_state_dict=True`` gives ``optim.state.<param>.<name>``). A key under one of
@@ -299,3 +300,10 @@ def shard_geometry(
         offsets=torch.Size(offsets),
         sharded_axes=frozenset(s.axis for s in specs),
     )
+
+
+def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
+    """The API's rules: each matches a stored key (``model.h.0.qkv.weight``) or the model's own name for it."""
+    if specs is not None and not isinstance(specs, (Mapping, SpecRules)):
+        raise TypeError(f"specs must be a mapping of glob -> ShardSpec, got {type(specs).__name__}")
+    return SpecRules.of(specs, also_under=(RESERVED.model,))

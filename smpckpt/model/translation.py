@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -39,7 +39,7 @@ from smpckpt.model._translation_algebra import (
 __all__ = ["Leaf", "Cat", "Expr", "Piece", "Shape", "expr_shape", "expr_keys", "pieces", "evaluate", "scatter"]
 __all__ += ["merge_leading", "split_leading", "reshaped"]
 __all__ += ["Rule", "rename", "transpose", "stack", "Translation", "check_translates"]
-__all__ += ["ADAPTER_NAMES", "adapter_keys", "refuse_adapters"]
+__all__ += ["ADAPTER_NAMES", "adapter_keys", "refuse_adapters", "check_translation_function"]
 
 
 # -- rules --------------------------------------------------------------------------------------------
@@ -567,4 +567,14 @@ def check_translates(
         raise SpecError(
             f"translation {translation.name!r} leaves {_show(prefixed_keys)} as they are, but without the prefix "
             f"{prefix!r} they are its {template!r}: save the model without its wrapper (or strip the prefix)"
+        )
+
+
+def check_translation_function(fn: Any, prefix: str = "") -> None:
+    """A full checkpoint's ``translate_function``: a :class:`Translation` or ``None``."""
+    if fn is not None and not isinstance(fn, Translation):
+        raise TypeError(
+            f"{prefix}translate_function must be a smpckpt.model.translation.Translation (for example "
+            "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard (plain callables would "
+            f"need the whole state dict on one rank); got {type(fn).__name__}"
         )

@@ -14,8 +14,7 @@ from sim import sim_save
 from torch import nn
 
 from smpckpt import ParallelLayout, ShardSpec, SpecError, resume_from_checkpoint, save_checkpoint
-from smpckpt.api._dist import spec_rules
-from smpckpt.model.specs import SpecRules
+from smpckpt.model.specs import SpecRules, spec_rules
 from smpckpt.planners import ParallelSavePlanner
 from smpckpt.storage import FsspecStorageWriter
 

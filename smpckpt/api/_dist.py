@@ -38,12 +38,12 @@ from smpckpt._checks import check_process_group
 from smpckpt.errors import LOADED_IN_PLACE, CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
 from smpckpt.model.layout import RESERVED, NameMap, ParallelLayout, wrap_name_map
 from smpckpt.model.specs import SpecRules
-from smpckpt.planners import ObjectBuffer
+from smpckpt.planners import ObjectBuffer, ObjectBytes
 from smpckpt.storage.format._safe_pickle import record_file
 
 __all__ = ["DistContext", "RankError", "digest", "OPTIONS", "CommonRequest", "check_state", "train_state"]
 __all__ += ["encode_user_content", "decode_user_content", "describe_user_content", "refuse_pickled", "PICKLED_KEY"]
-__all__ += ["get_rng_state", "set_rng_state"]
+__all__ += ["get_rng_state", "set_rng_state", "RecordSlot"]
 
 
 T = TypeVar("T")
@@ -479,6 +479,12 @@ def refuse_pickled(pickled: bool, allow_pickle: bool, what: str) -> None:
             f"{what}: its user_content holds objects weights-only loading rejects (its save warned); nothing "
             "was loaded. Pass allow_pickle=True only if you trust this checkpoint"
         )
+
+
+class RecordSlot(ObjectBytes):
+    """A resume's user_content placeholder: the record comes back as the bytes read (no copy: fix68b)."""
+
+    as_read = True
 
 
 def describe_user_content(user_content: Any, pickled: bool) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from smpckpt.api._dist import (
     PICKLED_KEY,
     CommonRequest,
     DistContext,
+    RecordSlot,
     decode_user_content,
     get_rng_state,
     quiet_no_dist,
@@ -30,21 +31,15 @@ from smpckpt.api._dist import (
 )
 from smpckpt.api.options import ResumeOptions, aside
 from smpckpt.catalog import root as catalog
-from smpckpt.catalog._abandoned import decided_by_copy, read_abandoned, split_lineage
+from smpckpt.catalog._abandoned import lineage
 from smpckpt.errors import CheckpointError, CheckpointNotFound, loaded_in_place
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
-from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, dtensor_layout, warn_skipped
+from smpckpt.planners import LoadReport, ParallelLoadPlanner, dtensor_layout, warn_skipped
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
 __all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
 __all__ += ["load_checkpoint", "apply_state", "stateless_at_save", "InventedState"]
-__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "in_place", "RecordSlot"]
-
-
-class RecordSlot(ObjectBytes):
-    """A resume's user_content placeholder: the record comes back as the bytes read (no copy: fix68b)."""
-
-    as_read = True
+__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "in_place"]
 
 
 log = logging.getLogger("smpckpt.api")
@@ -67,8 +62,7 @@ class ResumeInfo:
     resharded_tensors: int  #: summed over ranks
     rng_restored: tuple[str, ...]  #: generators restored on this rank ("torch", "python", ...)
     fell_back: bool  #: ``newest`` was not taken (unusable, or a later tag committed); see the warning
-    #: keys not loaded: missing from the checkpoint (``strict=False`` only), and optimizer state of
-    #: parameters the checkpoint holds none for (they had none when saved; resumed so)
+    #: keys not loaded: missing (``strict=False`` only), and optimizer state of parameters stateless when saved
     skipped_keys: tuple[str, ...] = ()
     #: where it came from: ``"durable"`` (``path``) or ``"fast"`` (the fast tiers, ``local_path=``)
     tier: Literal["durable", "fast"] = "durable"
@@ -92,8 +86,7 @@ class Target:
     fell_back: bool
     #: this checkpoint's place in its root's order (``record_order``: sequence number, save time, save id)
     order: tuple[int, int, str] = (0, 0, "")
-    #: the highest sequence number rank 0 saw while choosing, and whether that was a listing of the whole
-    #: root (a tag-less resume): the job's next saves are numbered after it (``catalog.root``)
+    #: the highest sequence number rank 0 saw choosing, and whether it listed the root: saves go on after it
     seen_seq: int = 0
     listed: bool = False
     pickled: bool = False  #: its user_content needs allow_pickle (the manifest says so; older ones do not)
@@ -135,9 +128,8 @@ class ResumeRequest(CommonRequest):
 
 def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool = True) -> Target | None:
     """(rank 0) The committed checkpoint to resume, or ``None``. With ``tag=None``: the one ``newest`` names,
-    unless it is unusable or a later one committed (a job killed before the ``newest`` update): then the
-    newest committed one of the job's history (never one a roll-back abandoned), warned (``warn``; else
-    in ``said``), its ``abandoned`` all the ranges that decided it (the root's copy's too)."""
+    unless unusable or a later one committed: then the newest of the job's history (none a roll-back abandoned),
+    warned (``warn``; else in ``said``), its ``abandoned`` all the ranges that decided it (the root's copy's too)."""
     if tag is not None:
         url = catalog.partial_url(root, tag)
         found = probe_checkpoint(url, storage_options)
@@ -151,7 +143,6 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
             if found.state == "missing":
                 return None
             if found.state == "legacy":
-                # our reader reads what stock dcp.save wrote; there is no manifest to check it against
                 log.warning("%s was written by stock dcp.save: loading it without integrity checks", url)
                 return Target(tag, url, None, None, False, False)
             raise CheckpointNotFound(
@@ -180,16 +171,14 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
         named_record = next((r for r in records if r.tag == newest), None)
         state = named_record.state if named_record is not None else "missing"
         if named_record is not None and state == "unreadable":
-            # an I/O error says nothing against that checkpoint: falling back would silently resume an
-            # older one (the job replays its steps); a retry of the resume reads it
+            # an I/O error says nothing against it: a fallback would silently resume an older one
             raise CheckpointError(
                 f"{root}/newest names {newest!r}, which could not be read ({named_record.detail}); not falling back to "
                 "an older checkpoint. Retry the resume, or pass tag= to choose one"
             )
         reason = f"{root}/newest names {newest!r}, which is not a committed checkpoint ({state})"
-    copy = read_abandoned(root, storage_options, committed)
-    history, dropped = split_lineage(committed, copy)
-    by_copy = f", as {root}/{catalog.ABANDONED_NAME} records" if decided_by_copy(committed, copy) else ""
+    copy, history, dropped, by_copy = lineage(root, storage_options, committed)
+    by_copy = f", as {by_copy} records" if by_copy else ""
     gone = f" (not {[r.tag for r in dropped]}: a roll-back abandoned them{by_copy})" if dropped else ""
     if not history:
         raise CheckpointNotFound(f"{reason}; every committed checkpoint was abandoned by a roll-back{gone}")
@@ -206,11 +195,10 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
 def resume_state(
     req: ResumeRequest, target: Target, ctx: DistContext, depth: int = 0
 ) -> tuple[bool | None, dict[str, Any]]:
-    """(all ranks, one agreement; two after a layout change) Whether RNG states are restored: saved layout and
-    DTensor placements (``LayoutRecord.dtensors``, when recorded; ``None``: they changed); else a warning inside
-    an agreement, so a filter making it an error fails every rank alike. And the destinations the load fills.
-    First, every rank alike, a user_content needing ``allow_pickle`` is refused. ``depth``: the frames
-    between the caller's and ``Checkpointer.resume`` (the warning names the caller's line)."""
+    """(all ranks, one agreement; two after a layout change) ``(restore RNG, the load's destinations)``: RNG only
+    under the saved layout and DTensor placements (``None``: they changed), else warned in an agreement (a filter
+    making it an error fails every rank alike); a user_content needing ``allow_pickle`` is refused first.
+    ``depth``: the frames between the caller's and ``Checkpointer.resume`` (the warning names the caller's)."""
     saved = target.record.layout if target.record is not None else None
     recorded = target.record.dtensors if target.record is not None else None
     refuse_pickled(target.pickled, req.opts.allow_pickle, f"checkpoint {target.tag!r} ({target.url})")
@@ -550,11 +538,9 @@ def stateless_at_save(
 def skipped_keys(
     url: str, ctx: DistContext, planner: ParallelLoadPlanner, untranslated: tuple[str, ...] = (), full: bool = False
 ) -> tuple[int, int, tuple[str, ...]]:
-    """(all ranks, after :func:`check_groups`, before :func:`apply_state`) Sum every rank's load: (tensors
-    on the fast path, resharded, the keys skipped, sorted). What ``strict=False`` skipped that ``strict=True``
-    refuses is warned in an agreement here, so a warning made an error fails the resume on every rank alike
-    before the state is applied (RNG, roll-back record, ResumeInfo; the tensors ``dcp.load`` filled in
-    place already hold the checkpoint's values, as after any failed load). ``full``: of a full artifact."""
+    """(all ranks, after :func:`check_groups`, before :func:`apply_state`) Every rank's load summed: (tensors
+    on the fast path, resharded, keys skipped). What ``strict=False`` skipped is warned in an agreement, so a
+    warning made an error fails every rank alike before the state is applied. ``full``: of a full artifact."""
     report = planner.report
     missing = report.missing_keys if report else ()
     gone = (*missing, *untranslated, *(report.stateless_saved if report else ()))
@@ -577,8 +563,7 @@ def summarize(
     restored: tuple[str, ...],
     rng: bool | None,
 ) -> ResumeInfo:
-    """(all ranks) The :class:`ResumeInfo` of a load (``planner_counts``: :func:`skipped_keys`; ``rng``:
-    :func:`resume_state`'s, ``None`` when the DTensor placements changed), logged."""
+    """(all ranks) The :class:`ResumeInfo` of a load, logged (``rng``: :func:`resume_state`'s)."""
     fast, resharded, skipped = planner_counts
     saved = target.record.layout if target.record is not None else None
     info = ResumeInfo(

@@ -36,6 +36,7 @@ from smpckpt.api._dist import (
     PICKLED_KEY,
     CommonRequest,
     DistContext,
+    RecordSlot,
     describe_user_content,
     encode_user_content,
     get_rng_state,
@@ -46,7 +47,6 @@ from smpckpt.api._dist import (
 )
 from smpckpt.api._resume import (
     InventedState,
-    RecordSlot,
     ResumeRequest,
     apply_state,
     init_missing_state,

@@ -28,6 +28,7 @@ from smpckpt.storage import write_bytes_atomic
 from smpckpt.storage.backends._fs import translate_errors
 
 __all__ = ["write_abandoned", "read_abandoned", "decided_by_copy", "KeepLatestN", "select_for_removal", "split_lineage"]
+__all__ += ["lineage"]
 
 _MAX_BYTES = 4096  #: the copy is a small JSON object; more is not ours and is not read whole
 
@@ -70,6 +71,16 @@ def read_abandoned(root: str, storage_options: Any, records: Sequence[Checkpoint
     (damaged, its manifest lost); retention, ``prune``, ``ls`` and the fallback call it alike."""
     top, body = max((r.order[0] for r in records if r.committed), default=0), _root_copy(root, storage_options)
     return tuple(p for p in abandoned_of(body) if p[1] < sequence_of(body)) if sequence_of(body) > top else ()
+
+
+def lineage(
+    root: str, storage_options: Any, records: Sequence[CheckpointRecord]
+) -> tuple[Ranges, list[CheckpointRecord], list[CheckpointRecord], str | None]:
+    """(rank 0) ``(the root's copy's ranges, history, abandoned)`` of :func:`split_lineage` with the root's copy, and
+    the copy's URL when it decided (:func:`decided_by_copy`; else ``None``): the fallback and ``ls`` name it."""
+    copy = read_abandoned(root, storage_options, records)
+    history, dropped = split_lineage(records, copy)
+    return copy, history, dropped, f"{root.rstrip('/')}/{ABANDONED_NAME}" if decided_by_copy(records, copy) else None
 
 
 def _root_copy(root: str, storage_options: Any) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from smpckpt.api._tiers import durable_key
 from smpckpt.catalog import root as catalog
-from smpckpt.catalog._abandoned import decided_by_copy, read_abandoned, split_lineage
+from smpckpt.catalog._abandoned import lineage
 from smpckpt.catalog.root import (
     NEWEST_NAME,
     PARTIAL_SUFFIX,
@@ -123,10 +123,9 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     check_root(args.path, args.storage_options)
     records = scan_root(args.path, storage_options=args.storage_options)
     newest = newest_tag(args.path, storage_options=args.storage_options)
-    copy = read_abandoned(args.path, args.storage_options, records)
-    dropped = {r.tag for r in split_lineage(records, copy)[1]}
     # the root's copy decided (its save lost, or the file crafted): named, as the resume's fallback names it
-    by_copy = f"{args.path.rstrip('/')}/{catalog.ABANDONED_NAME}" if decided_by_copy(records, copy) else None
+    _, _, gone, by_copy = lineage(args.path, args.storage_options, records)
+    dropped = {r.tag for r in gone}
     owner = durable_key(args.path, args.storage_options)
     fast, notes, found = fast_rows(local, records, owner) if local is not None else ([], [], [])
     others = other_jobs(local, owner) if local is not None else []

@@ -1,13 +1,17 @@
 """Keeping Python's cyclic garbage collector off bulk work: paused around CPU-bound bursts (planners,
-readers, writers), and kept off the objects a process already holds while a save or load runs."""
+readers, writers), and kept off the objects a process already holds while a save or load runs. And the
+objects owning threads or locks reset in a forked child (:func:`forget_at_fork`)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["gc_frozen", "gc_paused"]
+__all__ = ["gc_frozen", "gc_paused", "forget_at_fork"]
 
 
 @contextlib.contextmanager
@@ -59,3 +63,17 @@ def gc_frozen(enabled: bool = True) -> Iterator[None]:
 
 def _full_collections() -> int:
     return int(gc.get_stats()[-1]["collections"])
+
+
+def forget_at_fork(obj: Any) -> None:
+    """In a child forked while ``obj`` lives, call ``obj._forget()``: the parent's threads, and the locks
+    they held at the fork, are not the child's (a DataLoader worker)."""
+    if hasattr(os, "register_at_fork"):
+        ref = weakref.ref(obj)
+        os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
+
+
+def _forget_in_child(ref: weakref.ref[Any]) -> None:
+    obj = ref()
+    if obj is not None:
+        obj._forget()

@@ -34,9 +34,9 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
+from smpckpt._gc import forget_at_fork
 from smpckpt.api import _liveness
 from smpckpt.api._dist import DistContext
-from smpckpt.api._staging import forget_in_child
 from smpckpt.errors import CheckpointError
 
 __all__ = ["Lane", "LaneThread", "GlooGroups", "DrainStatus", "check_previous", "raise_failed", "wait_lanes"]
@@ -106,9 +106,7 @@ class Lane:
         self._number = 0  #: the work running's number (``_liveness.veto_key``)
         self._current: concurrent.futures.Future[None] | None = None  #: the work running, and if it passed
         self._committed: concurrent.futures.Future[None] | None = None  # its commit point (:func:`commit_point`)
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.ref(self)
-            os.register_at_fork(after_in_child=lambda: forget_in_child(ref))
+        forget_at_fork(self)
 
     @property
     def running(self) -> bool:

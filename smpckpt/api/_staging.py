@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
 from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
 
+from smpckpt._gc import forget_at_fork
 from smpckpt.errors import CheckpointError, no_data, not_plain
 
-__all__ = ["Stager", "Pending", "StagingGate", "copy_into", "owned_storages", "forget_in_child"]
+__all__ = ["Stager", "Pending", "StagingGate", "copy_into", "owned_storages"]
 
 # held while the process's one step hook is looked up and registered (:meth:`_GatesHook.shared`): two first
 # overlapped saves at once registered two (rev65h F2); as wide as torch's registry, one per process
@@ -29,13 +29,6 @@ _REGISTERING = threading.Lock()
 _STRIDED = torch.strided  # read once: every staged key compares its layout with it
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_REGISTERING._at_fork_reinit)  # type: ignore[attr-defined]
-
-
-def forget_in_child(ref: weakref.ref[Any]) -> None:
-    """(a forked child) ``_forget`` the lane or staging gate ``ref`` names, if it still exists."""
-    obj = ref()
-    if obj is not None:
-        obj._forget()
 
 
 Pair = tuple[str, torch.Tensor, torch.Tensor]  #: (key, source, buffer)
@@ -155,9 +148,7 @@ class _GatesHook:
         # finalizer closing a gate on its own thread, or in a child forked while it was held (rev65h F1, F3)
         self.gates: frozenset[StagingGate] = frozenset()
         self.lock = threading.RLock()  # the writers'; a child made by fork starts with a fresh one
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.ref(self)
-            os.register_at_fork(after_in_child=lambda: forget_in_child(ref))
+        forget_at_fork(self)
 
     def _forget(self) -> None:
         self.lock = threading.RLock()
@@ -193,9 +184,7 @@ class StagingGate:
     def __init__(self) -> None:
         self.pending: Pending | None = None
         self._hook: _GatesHook | None = None
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.ref(self)
-            os.register_at_fork(after_in_child=lambda: forget_in_child(ref))
+        forget_at_fork(self)
 
     def _forget(self) -> None:
         """(a forked child) The parent's staging is not this process's: no thread here will ever stage it,

@@ -16,7 +16,6 @@ import math
 import os
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
@@ -28,7 +27,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt._checks import check_flag, check_int
-from smpckpt._gc import gc_paused
+from smpckpt._gc import forget_at_fork, gc_paused
 from smpckpt.errors import CheckpointError, CheckpointExists, no_data, not_plain
 from smpckpt.storage.backends._fs import FlatLayout, PrefixOption, PrefixStrategy, is_local, rank_cpus, resolve
 from smpckpt.storage.backends._sinks import Sink
@@ -366,9 +365,7 @@ class Workers:
     def __init__(self, name: str) -> None:
         self.name = name
         self._forget()
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.ref(self)
-            os.register_at_fork(after_in_child=lambda: _forget_workers(ref))
+        forget_at_fork(self)
 
     def _forget(self) -> None:
         self._lock = threading.Lock()
@@ -397,13 +394,6 @@ class Workers:
             pool, self._pool, self._local = self._pool, None, threading.local()
         if pool is not None:
             pool.shutdown(wait=True)
-
-
-def _forget_workers(ref: weakref.ref[Workers]) -> None:
-    """(a forked child) :meth:`Workers._forget` of the pool ``ref`` names, if it still exists."""
-    workers = ref()
-    if workers is not None:
-        workers._forget()
 
 
 #: WriteResults under this fqn prefix carry a data file's FileRecord (sent to the coordinator), not an item.

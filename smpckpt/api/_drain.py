@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from smpckpt.catalog.root import ManifestCache
 
 __all__ = ["drain", "copiers", "holders_of", "JOB_DRAINED", "read_drained", "is_drained", "path_down", "note_drained"]
-__all__ += ["pending_drains", "due_record", "same_history"]
+__all__ += ["pending_drains", "due_record", "same_history", "node_records", "refuse_emptied"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -157,21 +157,39 @@ def note_drained(job: str, tag: str, save_id: str) -> None:
         log.warning("could not record the drain of %r in %s: %s", tag, job, exc)
 
 
-def refuse_emptied(root: str, storage_options: Any, job: str, durable: tuple[str, str] | None, newest: str) -> None:
+def node_records(ctx: DistContext, leader: bool, job: str) -> list[dict[str, str]]:
+    """(all ranks, one collective) Every node's :func:`read_drained` of its job folder ``job``, node 0's first."""
+    return [r for r in ctx.all_ok_values(lambda: read_drained(job) if leader else None) if r is not None]
+
+
+def refuse_emptied(
+    root: str,
+    storage_options: Any,
+    job: str,
+    durable: tuple[str, str] | None,
+    newest: str,
+    records: Sequence[Mapping[str, str]],
+) -> None:
     """(rank 0, a tiered resume) Refuse the fast tier's ``newest`` when ``path`` (``root``) holds none of the drains
-    the job folder ``job`` recorded, each the save recorded, not a new run's of the tag's name (``durable``: path's
-    newest, tag and save id; tiers68 F2, rev68b F1: an emptied path, a new run's, resumed the old run's copies
-    silently)."""
-    drained = read_drained(job)
-    if not drained or (durable is not None and is_drained(drained, *durable)):
+    the nodes' job folders recorded (``records``: each node's :func:`read_drained`; ``job``: node 0's folder), each
+    the save recorded, not a new run's of the tag's name (``durable``: path's newest, tag and save id; tiers68 F2,
+    rev68b F1: an emptied path, a new run's, resumed the old run's copies silently). Every node's record counts:
+    node 0 back with its old disk records only drains path's retention removed since (hunt72b: node 0's record
+    alone refused a path holding the job's newest drain as emptied)."""
+    if not any(records) or (durable is not None and any(is_drained(r, *durable) for r in records)):
         return
-    for t in drained:
+    tags = list(dict.fromkeys(t for r in records for t in r))
+    for t in tags:
         found = probe_checkpoint(partial_url(root, t), storage_options)
-        if found.state == "committed" and found.manifest and is_drained(drained, t, found.manifest.save_id):
+        if (
+            found.state == "committed"
+            and found.manifest
+            and any(is_drained(r, t, found.manifest.save_id) for r in records)
+        ):
             return
     raise CheckpointNotFound(
         f"path {root} holds none of the saves this fast tier's job drained there (tags "
-        f"{', '.join(map(repr, list(drained)[:3]))}; emptied, or a new run on the same path?), while its fast-tier "
+        f"{', '.join(map(repr, tags[:3]))}; emptied, or a new run on the same path?), while its fast-tier "
         f"folder ({job} on node 0, {os.path.basename(job)} in every node's local_path) holds {newest!r}: remove "
         f"that folder on every node to start fresh, or pass tag={newest!r} to resume the fast copy knowingly"
     )

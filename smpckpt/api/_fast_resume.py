@@ -23,7 +23,15 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from smpckpt.api._dist import DistContext
-from smpckpt.api._drain import is_drained, note_drained, path_down, read_drained, refuse_emptied, same_history
+from smpckpt.api._drain import (
+    is_drained,
+    node_records,
+    note_drained,
+    path_down,
+    read_drained,
+    refuse_emptied,
+    same_history,
+)
 from smpckpt.api._resume import (
     ResumeRequest,
     Target,
@@ -124,6 +132,8 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
                     c.tag,
                     ", ".join(c.missing[:5]),
                 )
+    # every node's record of its drains, alike on every rank (node 0's alone was stale: hunt72b)
+    records = node_records(ctx, nodes.is_leader, job) if req.tag is None and complete else []
 
     def durable_target() -> Target | None:
         try:
@@ -145,7 +155,7 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
             return None
         if req.tag is None and complete and (target is None or complete[0].order >= target.order):
             drained = (target.tag, target.order[2]) if target is not None else None
-            refuse_emptied(req.root, req.storage_options, job, drained, complete[0].tag)
+            refuse_emptied(req.root, req.storage_options, job, drained, complete[0].tag, records)
         return target
 
     def newest_damaged() -> bool:  # as the Checkpointer's refusal of path's damaged newest tells it

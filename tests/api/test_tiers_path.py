@@ -313,7 +313,10 @@ def test_a_save_past_the_outage_never_drains_over_a_committed_tag(
 
 def test_every_rank_gets_the_same_answer_on_two_nodes(s3_root: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
     """4 ranks on 2 nodes (replicas=2): the emptied path refused on every rank by the same text; with path
-    unreachable the save goes on, resume() refuses and resume(tag=) loads, alike on every rank, no hang."""
+    unreachable the save goes on, resume() refuses and resume(tag=) loads, alike on every rank, no hang.
+    hunt72b: node 0 back with its old disk, whose record names only a drain path's retention removed since,
+    was refused as an emptied path (node 0's record alone decided) though path holds c4, a drain node 1's
+    record names: every node's record counts."""
     root, options = s3_root
     got = run_world(
         tier_workers.path_cases, 4, str(tmp_path / "fast"), str(tmp_path / "durable"), root, options, _down(options)
@@ -326,6 +329,10 @@ def test_every_rank_gets_the_same_answer_on_two_nodes(s3_root: tuple[str, dict[s
         assert r["save_down"][0] == "ok" and r["tag_down"][0] == "ok" and r["exact"]
         assert r["resume_down"][0] == "error" and "'b2'" in r["resume_down"][1] and root in r["resume_down"][1]
     assert got[0]["save_down"][1] and got[0]["tag_down"][1]  # warned on rank 0, naming path
+    for rank, r in enumerate(got):  # node 0 back with its old disk: its drain record (c2, gone) is stale
+        old = r["old_disk"]
+        assert isinstance(old, dict), (rank, old)
+        assert (old["tag"], old["tier"], old["exact"], old["path"]) == ("c4", "fast", True, ["c4_partial", "newest"])
 
 
 def test_a_due_save_pending_while_path_is_down_outlives_fast_tier_retention_and_drains(

@@ -441,6 +441,7 @@ def abandoned_history_back(rank: int, world: int, base: str) -> dict[str, Any]:
         dist.barrier()
     # the job goes on from new6 (by tag) and saves new7, in sight of both histories: tag=None resumes it
     want7 = go_on("new6", 107, "new7")
+    out["kept"] = partials(job_dir(local, durable))  # num_kept_local (2) after new7 (hunt72b)
     uc, state, _ = _resume(durable, local, 26)
     out["went_on"] = {**_info(), "exact": _same(state, want7)}
     return out

@@ -396,4 +396,42 @@ def path_cases(rank: int, world: int, base: str, durable: str, s3: str, up: Any,
         lambda: resume_from_checkpoint(Location(s3, storage_options=down), tag="b2", model=got, options=fast),
     )
     out["exact"] = all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), model.state_dict().values()))
+    out["old_disk"] = node_back_with_an_old_drain_record(rank, base + "-old-disk", durable + "-old-disk")
     return out
+
+
+def node_back_with_an_old_drain_record(rank: int, base: str, durable: str) -> Any:
+    """(test_tiers_path.py) c2 drained, node 0's folder copied (its disk); c3, c4 saved, c4 drained and
+    ``path``'s retention (1) removed c2; node 0 back with that old disk, its drain record naming c2 alone
+    (node 1's names c4): what a tag-less resume loads, or its error."""
+    from torch import nn
+
+    from smpckpt import FastTier, Retention
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local = node_dir(base, rank)
+    options = [FastTier(local_path=local, replicas=2, durable_every=2), Retention(num_kept_partial_checkpoints=1)]
+    torch.manual_seed(2)
+    model, old = nn.Linear(4, 4), os.path.join(base, "node0-old-disk")
+    for tag in ("c1", "c2", "c3", "c4"):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        save_checkpoint(durable, tag, model=model, options=options)
+        if tag == "c2":
+            wait_for_saves()
+            dist.barrier()
+            if rank == 0:
+                shutil.copytree(local, old)
+    wait_for_saves()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(local)
+        os.rename(old, local)  # node 0 back with its old disk (c1, c2 and the record of c2's drain)
+    dist.barrier()
+    got = nn.Linear(4, 4)
+    try:
+        resume_from_checkpoint(durable, model=got, options=FastTier(local_path=local))
+    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    exact = all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), model.state_dict().values()))
+    return {**_info(), "exact": exact, "path": sorted(os.listdir(durable))}

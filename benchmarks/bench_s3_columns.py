@@ -1,7 +1,8 @@
 """A TP rank's column slice of one large fp32 matrix on S3 (moto in a child process): time, requests,
 bytes requested and peak RSS above the destination, code trees side by side (A B A B ...).
 
-The matrix (``--mib`` MiB, rows of 64 KiB) is saved once at TP=1; each measurement is a fresh process
+The matrix (``--mib`` MiB, rows of 64 KiB) is saved once at TP=1 (``--full``: as a full artifact,
+``FullArtifactWriter``, the export a job loads by column; else a partial checkpoint); each measurement is a fresh process
 (``--child``) that loads TP=``--tp`` rank ``--rank``'s columns (dim 1) into a touched destination and
 checks them bit-exact. ``--tree NAME=DIR`` runs that side with ``PYTHONPATH=DIR`` (a folder holding an
 ``smpckpt`` package, e.g. another commit's ``smpckpt/`` with ``planners/`` and ``storage/`` copied
@@ -10,6 +11,7 @@ reset it, less the RSS before the load. moto reads a whole object for every rang
 S3's; its CPU is shown): compare requests and client CPU, and time with that in mind.
 
     python benchmarks/bench_s3_columns.py --tree old=/tmp/base_pkg --tree new= --rounds 2
+    python benchmarks/bench_s3_columns.py --full --mib 64 --row-kib 2048 --rounds 1   # a full artifact
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ def main() -> None:
     p.add_argument("--row-kib", type=int, default=COLS // 256, help="row width in KiB (64: rows of 64 KiB)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-request-mb", type=int, default=0, help="reader's max_request_bytes (0: its default)")
+    p.add_argument(
+        "--full", action="store_true", help="save a full artifact (FullArtifactWriter), not a partial checkpoint"
+    )
     p.add_argument("--tree", action="append", default=[], help="NAME=DIR (PYTHONPATH of that side; empty: installed)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
@@ -96,7 +101,7 @@ def main() -> None:
 
     from smpckpt import ParallelLayout
     from smpckpt.planners import ParallelSavePlanner
-    from smpckpt.storage import FsspecStorageWriter
+    from smpckpt.storage import FsspecStorageWriter, FullArtifactWriter
 
     trees = [t.split("=", 1) for t in args.tree] or [["installed", ""]]
     ep = start_moto("bench")
@@ -104,11 +109,13 @@ def main() -> None:
         cols = args.row_kib * 256
         rows = args.mib * MiB // (4 * cols)
         w = torch.arange(rows * cols, dtype=torch.int32).view(torch.float32).view(rows, cols)
-        writer = FsspecStorageWriter(f"s3://bench/{args.key}", storage_options=ep.options)
+        kind = FullArtifactWriter if args.full else FsspecStorageWriter
+        writer = kind(f"s3://bench/{args.key}", storage_options=ep.options)
         dcp.save({"w": w}, storage_writer=writer, planner=ParallelSavePlanner(ParallelLayout(), rank=0), no_dist=True)
         del w
         print(
-            f"{args.mib} MiB fp32 [{rows}, {cols}], TP={args.tp} rank {args.rank}'s columns ({args.mib // args.tp} MiB)"
+            f"{args.mib} MiB fp32 [{rows}, {cols}] ({'full artifact' if args.full else 'partial checkpoint'}), "
+            f"TP={args.tp} rank {args.rank}'s columns ({args.mib // args.tp} MiB)"
         )
         for r in range(args.rounds):
             for name, tree in trees:

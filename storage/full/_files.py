@@ -1,6 +1,8 @@
 """Byte runs of full artifacts: ``pread`` on local files, ranged GETs on object stores, where bytes are
 fetched in enclosing spans of at most :data:`SPAN_BYTES` shared by a column box's rows and by
-neighbouring tensors (:func:`plan_spans`, :class:`SpanFetcher`) and the runs cut out of them.
+neighbouring tensors (:func:`plan_spans`, :class:`SpanFetcher`) and the runs cut out of them, except
+where runs lie farther apart than a request costs: a GET each (:func:`stream_groups`, the partial reader's
+cost model).
 
 Column (strided) boxes on local files take the partial reader's cost model (README, "Storage": streamed
 spans of whole rows, :func:`stream_plan`, or a request per row), their parts shared by the reader's free
@@ -28,7 +30,7 @@ from smpckpt.storage.format._columns import STREAM_PIECE_BYTES, Into, streams
 from smpckpt.storage.full._units import Unit, UnitIndex, intervals
 
 __all__ = ["RunFiles", "SpanFetcher", "plan_spans", "SPAN_BYTES", "SPAN_WASTE", "PART_BYTES", "Spread", "StreamPlan"]
-__all__ += ["row_groups", "serially", "share", "stream_plan", "read_streamed"]
+__all__ += ["row_groups", "serially", "share", "stream_plan", "read_streamed", "stream_groups"]
 
 #: a fetched span (file name, first byte, bytes)
 Held = tuple[str, int, bytes]
@@ -50,9 +52,12 @@ def data_file(path: str, keys: Sequence[str] = ()) -> Iterator[None]:
 class RunFiles:
     """Open files of one read call: ``pread`` on local paths, ranged GETs elsewhere."""
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: Any, path: str, request_cost: int | None = None) -> None:
         self.fs, self.path = fs, path
         self.local = is_local(fs)
+        #: (object stores) runs share a GET only where the unread gap between them costs less than one more
+        #: request, this many bytes (:func:`stream_groups`); ``None``: whatever the gap (``smpckpt verify``)
+        self.request_cost = request_cost
         self.fds: dict[str, int] = {}
         self._lock = threading.Lock()  # fds and the request count, from several worker threads
         #: requests issued: ``preadv`` calls on local files, GETs on object stores
@@ -115,26 +120,15 @@ class RunFiles:
                 if got != n:
                     raise CheckpointCorrupt(f"{path}: truncated ({got} of {n} bytes at offset {lo})")
             return len(starts) * run
-        # Object stores: a GET costs far more than the bytes between strided runs (a column shard's
-        # rows), so runs are fetched in enclosing spans of up to SPAN_BYTES and cut out here.
-        groups: list[tuple[int, int]] = []  # index ranges [a, b) of starts whose runs fit one span
-        a = 0
-        for i in range(1, len(starts) + 1):
-            if i == len(starts) or int(starts[i]) + run - int(starts[a]) > SPAN_BYTES:
-                groups.append((a, i))
-                a = i
+        # Object stores: runs are fetched in enclosing spans of up to SPAN_BYTES, cut out here, where the
+        # gaps between them cost less than one more GET (a column box's close rows); rows farther apart
+        # take a GET each (stream_groups: the partial reader's cost model), so a column reshard fetches
+        # its rows' runs, not the other ranks' columns between them.
+        lo = np.asarray(starts, dtype=np.int64)
+        groups = stream_groups(lo, lo + run, self.request_cost, SPAN_BYTES)
         spans = [(int(starts[a]), int(starts[b - 1]) + run - int(starts[a])) for a, b in groups]
-        first, end = spans[0][0], spans[-1][0] + spans[-1][1]
-        held = [h for h in getattr(self._tls, "held", ()) if h[0] == name and h[1] <= first and end <= h[1] + len(h[2])]
-        if held:
-            base, whole = held[0][1], memoryview(held[0][2])
-            blobs: list[Any] = [whole[lo - base : lo - base + n] for lo, n in spans]
-            fetched = 0
-        else:
-            with data_file(path):
-                blobs = self.fs.cat_ranges([path] * len(spans), [lo for lo, _ in spans], [lo + n for lo, n in spans])
-            self._count(len(spans))
-            fetched = sum(n for _, n in spans)
+        blobs, gets = self._spans(name, spans)
+        fetched = sum(spans[k][1] for k in gets)
         pos = 0
         for (lo, n), (a, b), blob in zip(spans, groups, blobs):
             if isinstance(blob, Exception) or len(blob) != n:
@@ -155,6 +149,75 @@ class RunFiles:
                 dst[pos : pos + run] = src[s : s + run]
                 pos += run
         return fetched
+
+    def _spans(self, name: str, spans: Sequence[tuple[int, int]]) -> tuple[list[Any], list[int]]:
+        """(object stores) File bytes ``(lo, n)`` of each span: from a span this thread holds where one
+        covers it, the rest in one batch of GETs (a failed one as its exception); and which were fetched."""
+        held = [h for h in getattr(self._tls, "held", ()) if h[0] == name]
+        blobs: list[Any] = [None] * len(spans)
+        for k, (lo, n) in enumerate(spans):
+            for _, base, data in held:
+                if base <= lo and lo + n <= base + len(data):
+                    blobs[k] = memoryview(data)[lo - base : lo - base + n]
+                    break
+        missing = [k for k, b in enumerate(blobs) if b is None]
+        if missing:
+            path = join(self.path, name)
+            with data_file(path):
+                got = self.fs.cat_ranges(
+                    [path] * len(missing), [spans[k][0] for k in missing], [sum(spans[k]) for k in missing]
+                )
+            self._count(len(missing))
+            for k, blob in zip(missing, got):
+                blobs[k] = blob
+        return blobs, missing
+
+    @contextlib.contextmanager
+    def holding(self, name: str, lo: np.ndarray, hi: np.ndarray) -> Iterator[int]:
+        """(object stores) Fetch the byte intervals ``[lo, hi)`` of ``name`` (sorted, disjoint) in GETs as
+        :meth:`read_runs` groups runs, and serve this thread's runs from them too inside the block (those this
+        thread holds already are not fetched). Gives the bytes fetched; nothing on local files."""
+        before = getattr(self._tls, "held", ())
+        if self.local or not len(lo):
+            yield 0
+            return
+        groups = stream_groups(lo, hi, self.request_cost, SPAN_BYTES)
+        spans = [(int(lo[a]), int(hi[b - 1]) - int(lo[a])) for a, b in groups]
+        blobs, fetched = self._spans(name, spans)
+        path = join(self.path, name)
+        for k in fetched:
+            if isinstance(blobs[k], Exception) or len(blobs[k]) != spans[k][1]:
+                raise CheckpointCorrupt(f"{path}: short read at offset {spans[k][0]}") from (
+                    blobs[k] if isinstance(blobs[k], Exception) else None
+                )
+        self._tls.held = (*before, *((name, spans[k][0], blobs[k]) for k in fetched))
+        try:
+            yield sum(spans[k][1] for k in fetched)
+        finally:
+            self._tls.held = before
+
+
+def stream_groups(lo: np.ndarray, hi: np.ndarray, request_cost: int | None, limit: int) -> list[tuple[int, int]]:
+    """Index ranges ``[a, b)`` of the byte intervals ``[lo, hi)`` (sorted by ``lo``, disjoint) that one GET
+    each fetches, gaps included: neighbours share one while it spans at most ``limit`` bytes and, with a
+    ``request_cost``, the unread gap between them costs less than one more request
+    (:func:`~smpckpt.storage.format._columns.streams`, the partial reader's cost model; touching ones always)."""
+    n = len(lo)
+    if not n:
+        return []
+    lo = np.asarray(lo, dtype=np.int64)
+    hi = np.asarray(hi, dtype=np.int64)
+    far = np.zeros(n - 1, dtype=bool)
+    if request_cost is not None:  # streams(row bytes, width): the gap next.lo - hi below the cost
+        far = (lo[1:] > hi[:-1]) & ~streams(lo[1:] - lo[:-1], hi[:-1] - lo[:-1], request_cost)
+    los, his, cut = lo.tolist(), hi.tolist(), far.tolist()
+    groups: list[tuple[int, int]] = []
+    a = 0
+    for i in range(1, n + 1):
+        if i == n or cut[i - 1] or his[i] - los[a] > limit:
+            groups.append((a, i))
+            a = i
+    return groups
 
 
 #: object stores: strided runs within one enclosing span of at most this many bytes share one GET

@@ -30,9 +30,9 @@ from smpckpt.storage.format._columns import REQUEST_COST_BYTES
 from smpckpt.storage.format._reading import Box, box_runs
 from smpckpt.storage.format._safe_pickle import check_weights_only
 from smpckpt.storage.full import _files
-from smpckpt.storage.full._files import Held, RunFiles, SpanFetcher, plan_spans
+from smpckpt.storage.full._files import Held, RunFiles, SpanFetcher, plan_spans, stream_groups
 from smpckpt.storage.full._source import ArtifactIndex, StoredTensor
-from smpckpt.storage.full._units import Unit, UnitIndex, WholeUnits, bytes_of, cross_view, unit_extent
+from smpckpt.storage.full._units import Unit, UnitIndex, WholeUnits, bytes_of, cross_view, read_intervals, run_intervals
 
 __all__ = ["FullSource", "THREADS"]
 
@@ -60,7 +60,8 @@ class FullSource(ArtifactIndex):
         self.threads = threads
         self.verify = verify
         self.allow_pickle = allow_pickle
-        #: a local column box whose rows' unread gap is below this many bytes is streamed (:mod:`~._files`)
+        #: a local column box whose rows' unread gap is below this many bytes is streamed (:mod:`~._files`); on
+        #: object stores, runs farther apart take a GET each (:func:`~._files.stream_groups`)
         self.request_cost = request_cost
         self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
         self.file_stats: dict[str, list[int]] = {}  # file -> [bytes needed, bytes read] of the last read()
@@ -76,7 +77,7 @@ class FullSource(ArtifactIndex):
         self.requests, self.file_stats = 0, {}
         items = list(plan.items)
         with (
-            RunFiles(self.fs, self.path) as files,
+            RunFiles(self.fs, self.path, self.request_cost) as files,
             concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="smpckpt-full-read") as pool,
         ):
             self._files, self._pool = files, pool
@@ -175,14 +176,16 @@ class FullSource(ArtifactIndex):
         return out
 
     def _extents(self, req: ReadItem) -> list[tuple[str, int, int]]:
-        """(object stores) The byte range each box of ``req`` touches in its file, check units included."""
+        """(object stores) The byte range each box of ``req`` touches in its file, check units included; none
+        for a box whose bytes lie farther apart than a request costs (a column reshard's rows): fetched by
+        its own thread, a GET per run of close bytes (:func:`~._files.stream_groups`)."""
         out = []
         for key, t, pc in self._boxes(req):
             index = self.units.get(key) if self.verify else None
             units = [u for u, _ in index.touched(pc.offsets, pc.sizes)] if index and index.view == pc.view else []
-            ext = unit_extent(tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), t.dtype.itemsize, units)
-            if ext is not None:
-                out.append((t.file, t.start + ext[0], t.start + ext[1]))
+            lo, hi = read_intervals(tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), t.dtype.itemsize, units)
+            if len(lo) and len(stream_groups(lo, hi, self.request_cost, int(hi[-1] - lo[0]))) == 1:
+                out.append((t.file, t.start + int(lo[0]), t.start + int(hi[-1])))
         return out
 
     def _fill(self, req: ReadItem, target: torch.Tensor, held: Sequence[concurrent.futures.Future[Held]]) -> None:
@@ -364,15 +367,22 @@ class FullSource(ArtifactIndex):
         def work(drawn: Iterator[int]) -> int:
             got = 0
             for k in drawn:
-                for u, box in touched[groups[k][0] : groups[k][1]]:
-                    ubytes, fetched = self._unit_bytes(t, key, u)
+                part = touched[groups[k][0] : groups[k][1]]
+                # object stores: the part's units fetched first, in GETs as read_runs groups runs (a row's
+                # neighbouring units in one; rows farther apart than a request costs, a GET each)
+                local = self._files.local
+                at = run_intervals([] if local else [box_runs(u.view, u.offsets, u.sizes, itemsize) for u, _ in part])
+                with self._files.holding(t.file, t.start + at[0], t.start + at[1]) as fetched:
                     got += fetched
-                    s_sub = torch.frombuffer(ubytes, dtype=torch.uint8).view(*u.sizes, itemsize)
-                    d_sub = dst_t
-                    for d, (lo, n) in enumerate(zip(box[0], box[1])):
-                        s_sub = s_sub.narrow(d, lo - u.offsets[d], n)
-                        d_sub = d_sub.narrow(d, lo - offsets[d], n)
-                    d_sub.copy_(s_sub)  # only after the unit's digest matched
+                    for u, box in part:
+                        ubytes, fetched = self._unit_bytes(t, key, u)
+                        got += fetched
+                        s_sub = torch.frombuffer(ubytes, dtype=torch.uint8).view(*u.sizes, itemsize)
+                        d_sub = dst_t
+                        for d, (lo, n) in enumerate(zip(box[0], box[1])):
+                            s_sub = s_sub.narrow(d, lo - u.offsets[d], n)
+                            d_sub = d_sub.narrow(d, lo - offsets[d], n)
+                        d_sub.copy_(s_sub)  # only after the unit's digest matched
             return got
 
         return self._spread(len(groups), work)

@@ -15,7 +15,8 @@ import torch
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts, hash_rows
 from smpckpt.storage.format._reading import Box, box_runs, c_strides, cpu_bytes, intersect
 
-__all__ = ["Unit", "BoxUnits", "UnitIndex", "rows_of", "cross_view", "intervals", "unit_extent", "bytes_of"]
+__all__ = ["Unit", "BoxUnits", "UnitIndex", "rows_of", "cross_view", "intervals", "unit_extent", "read_intervals"]
+__all__ += ["run_intervals", "bytes_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +335,30 @@ def unit_extent(
         ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
         lo, hi = min(lo, int(ustarts[0])), max(hi, int(ustarts[-1]) + urun)
     return lo, hi
+
+
+def read_intervals(
+    view: tuple[int, ...], offsets: Sequence[int], sizes: Sequence[int], itemsize: int, units: Sequence[Unit]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes of a tensor that reading box ``(offsets, sizes)`` of it as ``view`` touches (the box's runs
+    and the whole ``units`` it overlaps, as :func:`unit_extent`), as :func:`run_intervals`: what an object
+    store must fetch, gaps apart."""
+    box = box_runs(view, offsets, sizes, itemsize)
+    return run_intervals([box, *(box_runs(u.view, u.offsets, u.sizes, itemsize) for u in units)])
+
+
+def run_intervals(runs: Sequence[tuple[np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Runs (``(starts, run)`` pairs, as :func:`box_runs` gives them) as sorted disjoint byte intervals
+    ``[lo, hi)``, overlapping and touching ones joined."""
+    runs = [(s, n) for s, n in runs if len(s)]
+    if not runs:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    lo = np.concatenate([s for s, _ in runs]).astype(np.int64)
+    hi = np.concatenate([s + n for s, n in runs]).astype(np.int64)
+    order = np.argsort(lo, kind="stable")
+    lo, reach = lo[order], np.maximum.accumulate(hi[order])
+    new = np.flatnonzero(lo[1:] > reach[:-1]) + 1  # an interval starting past every earlier one's end
+    return lo[np.concatenate([[0], new])], reach[np.concatenate([new - 1, [len(lo) - 1]])]
 
 
 def bytes_of(sub: torch.Tensor, dtype: torch.dtype) -> memoryview | None:

@@ -234,10 +234,14 @@ def plan_reads(
         if box is not None:
             merge = local and box.row_bytes - box.width <= row_gap
             # one cost model on every backend (its request cost: the reader's, per backend): rows far apart
-            # take a request each -- where a row's run can be read alone, verified (tiles) or not; an untiled
-            # record's blocks straddle its rows, so on an object store such a slice reads spans of whole rows
-            alone = local or box.tiling is not None or rec is None
-            stream = not alone or (not merge and streams(box.row_bytes, box.width, request_cost))
+            # take a request each, verified (tiles) or not. An untiled record's blocks straddle its rows: on
+            # an object store each row's run is then read widened to whole blocks, every block it touches
+            # checked, so the gap a request per row leaves is what lies between the widened runs
+            width = box.width
+            if not local and rec is not None and box.tiling is None:
+                wlo, whi = rec.widen(box.start, box.start + box.width)
+                width = whi - wlo
+            stream = not merge and streams(box.row_bytes, width, request_cost)
             if local or not stream or hi - lo > max_request_bytes:
                 boxes.append(dataclasses.replace(box, merge=merge, stream=stream))
                 continue

@@ -7,7 +7,8 @@ between neighbouring rows' runs costs less than one more request, the reader's `
 :func:`~smpckpt.storage.format._columns.streams`, as on local disk): a part whose span fits the cap is then
 one request from its first row's first column to its last row's last, widened to whole check units. Rows
 farther apart take a request each (:func:`runs`): the slice's columns of each row (its column groups, when
-tiled), so a column reshard requests the bytes it needs, not its enclosing rows (rev69b: 4x at TP=4). A
+tiled; verified untiled, its run widened to the blocks it touches, which straddle rows, each checked), so a
+column reshard requests the bytes it needs, not its enclosing rows (rev69b: 4x at TP=4). A
 tiled row group past the cap (a fused QKV's rows of 128 MiB, one row a group) used to be one request of the
 whole group, of which a TP rank uses its columns; it is read as runs of the slice's column groups instead:
 rows that stream share a request, gaps read into scratch, and a run longer than the cap goes in pieces of
@@ -24,7 +25,17 @@ from typing import Any
 from smpckpt.errors import CheckpointError
 from smpckpt.storage.format._columns import Into
 from smpckpt.storage.format.manifest import FileRecord
-from smpckpt.storage.read._fetch import BoxRows, BufferPool, check_complete, read_range, reading, reads_into, verify_box
+from smpckpt.storage.read._fetch import (
+    BoxRows,
+    BufferPool,
+    Landing,
+    check_complete,
+    read_range,
+    reading,
+    reads_into,
+    verify_blocks,
+    verify_box,
+)
 from smpckpt.storage.read._plan import BoxRead
 
 __all__ = ["fetch_rows", "runs"]
@@ -92,17 +103,20 @@ def _fetch_runs(
 ) -> BoxRows:
     """:func:`fetch_rows` of rows that do not stream, or of a tiled row group past ``cap``: the :func:`runs`
     land back to back (``width`` bytes a row) in ``dst`` or one buffer of the slice's columns; every tile in
-    them verified after (``rec``: the file's record when verifying; a verified box is tiled)."""
+    them verified after (``rec``: the file's record when verifying), or, untiled, every block each request
+    touched (its run widened to them, :func:`_get_blocks`)."""
     a, b = rows
     w, rb = box.width, box.row_bytes
-    if rec is not None and box.tiling is None:  # pragma: no cover - the planner streams such a box
-        raise CheckpointError(f"{path}: internal: rows of {box.item.fqn!r} read alone cannot be verified untiled")
+    # an untiled record's blocks straddle its rows: each request (a row's run, never several rows: such a
+    # box does not stream) is widened to whole blocks, the widening read into scratch, every block checked
+    blocks = rec if rec is not None and box.tiling is None else None
     get = _getter(fs, path)  # the backend's ranged read, chosen once for every run
     out = dst if dst is not None else memoryview(pool.take((b - a) * w))[: (b - a) * w]
     plan = runs(box, rows, cap)
     # the gap between two rows of one request: read, never used (a request of several rows only)
     sink = memoryview(bytearray(rb - w)) if any(r1 - r0 > 1 for r0, r1, _, _ in plan) else None
     nbytes = 0
+    landed: list[tuple[int, int, Landing]] = []  # (untiled) the requests' widened ranges, verified after
     with reading(path, [box.item.fqn], turn):
         for r0, r1, c0, c1 in plan:
             views: list[memoryview] = []
@@ -113,10 +127,19 @@ def _fetch_runs(
                     views.append(sink)
             start = box.base + r0 * rb + c0
             want = (r1 - r0 - 1) * rb + c1 - c0
+            if blocks is not None and r1 == r0 + 1:
+                landed.append(_get_blocks(get, path, box, blocks, start, views[0]))
+                nbytes += landed[-1][1] - landed[-1][0]
+                continue
+            if blocks is not None:  # pragma: no cover - runs() gives such a box a request per row
+                raise CheckpointError(f"{path}: internal: rows {r0}..{r1} of {box.item.fqn!r} in one request")
             check_complete(path, [box.item.fqn], start, start + want, get(start, want, views))
             nbytes += want
-    if rec is not None:
+    if rec is not None and blocks is None:
         verify_box(path, box, rec, out, w, a, rows)
+    if blocks is not None:  # untiled: every block each request touched, where it landed
+        for lo, hi, land in landed:
+            verify_blocks(path, blocks, lo, hi, [box.item], land.digest)
     if into is not None:
         into.copy(out, a, box.col0, rows, w)
     if dst is not None or into is not None:
@@ -124,6 +147,24 @@ def _fetch_runs(
             pool.give_back(out)
         return BoxRows(None, w, nbytes, len(plan))
     return BoxRows(out, w, nbytes, len(plan))
+
+
+def _get_blocks(
+    get: Callable[[int, int, Sequence[memoryview]], int],
+    path: str,
+    box: BoxRead,
+    rec: FileRecord,
+    start: int,
+    view: memoryview,
+) -> tuple[int, int, Landing]:
+    """File bytes ``[start, start + len(view))`` (one row's run of an untiled record) into ``view``, read as
+    one request widened to the whole blocks they touch, the widening into scratch: the range requested and
+    where its bytes landed, for the caller to check every one of those blocks."""
+    end = start + len(view)
+    lo, hi = rec.widen(start, end)
+    head, tail = memoryview(bytearray(start - lo)), memoryview(bytearray(hi - end))
+    check_complete(path, [box.item.fqn], lo, hi, get(lo, hi - lo, [v for v in (head, view, tail) if len(v)]))
+    return lo, hi, Landing([(lo, head), (start, view), (end, tail)])
 
 
 def _getter(fs: Any, path: str) -> Callable[[int, int, Sequence[memoryview]], int]:

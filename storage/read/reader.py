@@ -114,8 +114,9 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         request_cost_bytes: what one more small read request costs, in bytes a device streams in the
             same time (``None``: 16 KiB on local filesystems, 1 MiB on object stores). A column slice
             whose rows are fewer bytes apart than this is read as sequential spans of whole rows, gaps
-            included, its columns copied out; wider gaps read a request per row (on object stores, of a
-            tiled or unverified record). 0: a request per row always (fewest device bytes).
+            included, its columns copied out; wider gaps read a request per row (on object stores, a
+            verified untiled record's run widened to the blocks it touches, each checked; a full artifact's
+            rows too). 0: a request per row always (fewest device bytes).
         translation, hf_prefix: for a plain Hugging Face folder: see :class:`~smpckpt.storage.FullArtifactReader`.
         staging_bytes: the cap on host memory a load into CUDA tensors stages through (default 128 MiB):
             reads are copied through pinned buffers of this many bytes in all to the device on a side

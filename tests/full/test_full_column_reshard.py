@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from damage import flip_byte
+from s3_env import serve_full_artifact
 from sim import reset_dcp_caches, sim_save
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -381,6 +382,97 @@ def test_the_full_reader_reads_on_thread_count_threads(
         dcp.load({"m": {"emb": dest}}, storage_reader=reader, planner=planner, no_dist=True)
     assert torch.equal(dest, columns(EMB, 1))
     assert len(set().union(*seen.values())) == threads, seen
+
+
+# -- on S3: the same cost model (issue 47) ---------------------------------------------------------------
+#: fp32 rows of 2 MiB (tiles of 256 KiB, one row a group): TP=8's 256 KiB of a row leaves a 1.75 MiB gap,
+#: past S3's default request cost (1 MiB); ``WIDE_S3`` fp32 rows of 64 KiB (tiles of 8 KiB x 2 rows)
+BIG = torch.randn(3, 1 << 19, generator=_g)
+WIDE_S3 = torch.randn(16, 16384, generator=_g)
+
+
+@pytest.mark.s3
+def test_on_s3_rows_farther_apart_than_a_request_costs_take_a_get_each(
+    tmp_path: Path, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 47 (1): a full artifact's column box on S3 was fetched as one enclosing span whatever the gap
+    (TP=8 rank 1 of ``big``: 6.25 MiB for the 768 KiB needed). It now takes the partial reader's cost
+    model (``streams``, ``request_cost_bytes``): rows whose unread gap costs more than a GET are a GET each,
+    of the slice's tile columns (verified; a tile a box cuts is read whole, a row's tiles in one GET) or its
+    own columns; closer rows still share spans. The GETs are checked offset by offset."""
+    folder = tmp_path / "tp1"
+    reset_dcp_caches()
+    sim_save(
+        [{"m": {"big": BIG, "wide": WIDE_S3}}],
+        [ParallelSavePlanner(ParallelLayout(), {"m.big": ShardSpec(1), "m.wide": ShardSpec(1)}, rank=0)],
+        [FullArtifactWriter(str(folder), sync_files=False)],
+    )
+    _, big0 = tensor_start(folder, "m.big")
+    _, wide0 = tensor_start(folder, "m.wide")
+    opts, gets = serve_full_artifact(monkeypatch, folder, moto_endpoint, "smpckpt-full-reshard", None)
+    big_row, wide_row = 2 << 20, 64 * KiB
+
+    def rows(start: int, row: int, n: int, c0: int, width: int) -> list[tuple[int, int]]:
+        return [(start + r * row + c0, width) for r in range(n)]
+
+    # (tp, rank, request cost, verified): the GETs as (file offset, bytes)
+    cases = {
+        # big a GET per row; wide's rows stream under the default cost: one span, as before
+        (8, 1, None, True): rows(big0, big_row, 3, 256 * KiB, 256 * KiB) + [(wide0 + 8 * KiB, 15 * wide_row + 8 * KiB)],
+        (8, 1, 16 * KiB, False): rows(big0, big_row, 3, 256 * KiB, 256 * KiB)
+        + rows(wide0, wide_row, 16, 8 * KiB, 8 * KiB),
+        # TP=16 cuts the tiles: verified, each row's tile is read whole (big: its 2nd, wide: its 2nd)
+        (16, 3, 16 * KiB, True): rows(big0, big_row, 3, 256 * KiB, 256 * KiB)
+        + rows(wide0, wide_row, 16, 8 * KiB, 8 * KiB),
+        (16, 3, 16 * KiB, False): rows(big0, big_row, 3, 384 * KiB, 128 * KiB)
+        + rows(wide0, wide_row, 16, 12 * KiB, 4 * KiB),
+    }
+    specs = {"m.big": ShardSpec(1), "m.wide": ShardSpec(1)}
+    for (tp, rank, cost, verify), want in cases.items():
+        gets.clear()
+        dest = {
+            k: torch.full_like(t.chunk(tp, dim=1)[rank], float("nan")) for k, t in (("big", BIG), ("wide", WIDE_S3))
+        }
+        reader = FsspecStorageReader(
+            "s3://smpckpt-full-reshard/ck", storage_options=opts, request_cost_bytes=cost, verify_checksums=verify
+        )
+        planner = ParallelLoadPlanner(ParallelLayout(tp=tp), specs, rank=rank)
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.load({"m": dest}, storage_reader=reader, planner=planner, no_dist=True)
+        case = (tp, rank, cost, verify)
+        assert torch.equal(dest["big"], BIG.chunk(tp, dim=1)[rank]), case
+        assert torch.equal(dest["wide"], WIDE_S3.chunk(tp, dim=1)[rank]), case
+        assert sorted((start, end - start) for _, start, end in gets) == sorted(want), (case, gets[:4])
+        stats = reader.last_read_stats
+        needed = (BIG.numel() + WIDE_S3.numel()) * 4 // tp
+        assert (stats.bytes_needed, stats.bytes_requested, stats.requests) == (
+            needed,
+            sum(n for _, n in want),
+            len(want),
+        ), (case, stats)
+    # a flipped byte in big's row 2, rank 3's columns of TP=16 (the second tile): TP=16 rank 2 reads that
+    # tile whole and refuses; unverified it loads its own columns bit-exact
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **opts)
+    (art,) = [p for p in fs.ls("smpckpt-full-reshard/ck", detail=False) if p.endswith(".safetensors")]
+    data = bytearray(fs.cat_file(art))
+    data[big0 + 2 * big_row + 400 * KiB] ^= 0x10
+    fs.pipe_file(art, bytes(data))
+    for verify in (True, False):
+        dest = {"big": torch.empty_like(BIG.chunk(16, dim=1)[2])}
+        reader = FsspecStorageReader("s3://smpckpt-full-reshard/ck", storage_options=opts, verify_checksums=verify)
+        planner = ParallelLoadPlanner(ParallelLayout(tp=16), specs, rank=2, allow_partial_load=True)
+        with pytest.warns(UserWarning, match="single process"):
+            if verify:
+                with pytest.raises(CheckpointException) as info:
+                    dcp.load({"m": dest}, storage_reader=reader, planner=planner, no_dist=True)
+                (failure,) = [exc for exc, _ in info.value.failures.values()]
+                assert isinstance(failure, CheckpointCorrupt), failure
+                assert "checksum mismatch in tensor 'm.big' at box [2, 65536]+[1, 65536]" in str(failure), failure
+            else:
+                dcp.load({"m": dest}, storage_reader=reader, planner=planner, no_dist=True)
+                assert torch.equal(dest["big"], BIG.chunk(16, dim=1)[2])
 
 
 @pytest.mark.parametrize("bad", [0, -1])

@@ -417,6 +417,52 @@ def test_on_s3_rows_farther_apart_than_a_request_costs_are_read_a_request_each(s
 
 
 @pytest.mark.s3
+def test_on_s3_an_untiled_verified_slice_with_wide_gaps_reads_each_rows_blocks(s3: tuple[str, dict[str, Any]]) -> None:
+    """Issue 47 (2): an untiled record (an odd column count: no tiles) verified on S3 read a column slice's
+    whole span widened to blocks in one request, whatever the gap (TP=3 of rows of 360,012 bytes: 4 MiB for
+    the 1.4 MB needed), because its blocks straddle rows. Now, where the gap between rows' runs widened to
+    whole blocks costs more than a request, each row is one request of exactly the blocks its run touches,
+    every one of them checked: a flipped byte in a block a run touches but does not use (another rank's
+    columns) still refuses the load; unverified, the slice's own bytes load bit-exact."""
+    base, opts = s3
+    t = torch.randn(12, 3 * 30001, generator=torch.Generator().manual_seed(5))  # rows of 360,012 bytes
+    url = f"{base}/odd"
+    planner = ParallelSavePlanner(ParallelLayout(), SPECS)
+    dcp.save({"m": {"col_odd": t}}, storage_writer=FsspecStorageWriter(url, storage_options=opts), planner=planner)
+    md = FsspecStorageReader(url, storage_options=opts).read_metadata()
+    (info,) = [i for idx, i in md.storage_data.items() if idx.fqn == "m.col_odd"]
+    (rec,) = [r for r in read_manifest(url, opts).files if r.name == info.relative_path]
+    assert not rec.tilings  # the case in question: blocks, not tiles
+    row, width, ends = 3 * 30001 * 4, 30001 * 4, [0, *rec.block_ends]
+    widened = []  # each row's run of rank 1's columns, widened to the blocks it touches (file offsets)
+    for r in range(12):
+        a = info.offset + r * row + width
+        widened.append((max(e for e in ends if e <= a), min(e for e in ends if e >= a + width)))
+    assert all(row - (hi - lo) >= 16 << 10 for lo, hi in widened)  # gaps past the request cost below
+    want = t.chunk(3, dim=1)[1]
+    for verify, nbytes in ((True, sum(hi - lo for lo, hi in widened)), (False, 12 * width)):
+        dest = {"col_odd": torch.full_like(want, float("nan"))}
+        stats = _s3_load(url, opts, dest, 3, 1, request_cost_bytes=16 << 10, verify_checksums=verify)
+        assert torch.equal(dest["col_odd"], want), verify
+        assert (stats.bytes_needed, stats.bytes_requested, stats.requests) == (12 * width, nbytes, 12), stats
+    # row 5's run is widened back into rank 0's columns: a byte there is read, checked, never used
+    lo5 = widened[5][0]
+    assert lo5 + 10 < info.offset + 5 * row + width
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **opts)
+    name = _flip_s3(fs, url, opts, t, lo5 + 10 - info.offset)
+    dest = {"col_odd": torch.empty_like(want)}
+    with pytest.raises(CheckpointException) as info_:
+        _s3_load(url, opts, dest, 3, 1, request_cost_bytes=16 << 10)
+    err = unwrap(info_.value)
+    assert isinstance(err, CheckpointCorrupt) and "checksum mismatch" in str(err), err
+    assert name in str(err) and "m.col_odd" in str(err), err
+    _s3_load(url, opts, dest, 3, 1, request_cost_bytes=16 << 10, verify_checksums=False)
+    assert torch.equal(dest["col_odd"], want)
+
+
+@pytest.mark.s3
 def test_on_s3_a_damaged_block_across_two_requests_of_a_column_slice_is_refused(
     s3: tuple[str, dict[str, Any]],
 ) -> None:

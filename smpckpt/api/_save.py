@@ -336,17 +336,18 @@ def _numbers_not_saved(state: dict[str, Any], planner: Any, unsaved: frozenset[s
     if report is None or RESERVED.optim not in state:
         return
     numbers = {f"{RESERVED.optim}.{k}" for k, v in state[RESERVED.optim].items() if not isinstance(v, torch.Tensor)}
-    # state names hold no dots: the parameter is what comes before the last one
-    lost = [
-        k
-        for k in report.skipped_optional
-        if k in numbers and planner.entries[k].local_key.partition(".state.")[2].rpartition(".")[0] not in unsaved
-    ]
+    # a state name may hold dots, and nested state more: the parameter is the longest FQN in front
+    fqns, at = state[RESERVED.model].keys(), len(f"{RESERVED.optim}.state.")
+    local = {k: planner.entries[k].local_key for k in report.skipped_optional}
+    owners = {k: RESERVED.state_owner(key[at:], fqns) for k, key in local.items() if key in numbers}
+    lost = sorted(k for k, fqn in owners.items() if fqn not in unsaved)
     if not lost:
         return
+    params = ", ".join(repr(p) for p in sorted({owners[k] or local[k] for k in lost})[:5])
     message = (
         f"the artifact holds optimizer tensor state but not {len(lost)} non-tensor state value(s) the optimizer "
-        f"keeps beside it ({', '.join(sorted(lost)[:5])}): resume from a partial checkpoint, or re-export"
+        f"keeps beside it, of parameter(s) {params} ({', '.join(lost[:5])}): resume from a partial checkpoint, "
+        "or re-export"
     )
     _refuse_or_warn(message, strict, "they keep the live optimizer's values")
 
@@ -400,6 +401,13 @@ def save_full(
     """(all ranks, arguments compared) The full save of ``tag`` into ``url``; returns the folder."""
     if opts.include_optimizer and not common.optimizers:
         raise ValueError("include_optimizer=True needs optimizer=")
+    if common.optimizers and not opts.include_optimizer:  # smp's meaning, kept: said once, in an agreement
+        said = (
+            "optimizer= was passed to a full save without ExportOptions(include_optimizer=True): the artifact holds "
+            "no optimizer state (smp's full save does not combine optimizer states); pass that option to export "
+            "it, or leave optimizer= out"
+        )  # the caller's line: below it save_checkpoint or export, _export, save_full, all_ok, its lambda
+        ctx.all_ok(lambda: ctx.is_coordinator and warnings.warn(said, UserWarning, stacklevel=6))
     # a transformers model (found without importing transformers): its class name is what save_pretrained
     # records as ``architectures``
     model_class = type(common.model)

@@ -214,24 +214,26 @@ class ReservedKeys:
         return out
 
     def in_own_dtype(self, keys: Mapping[str, str], saved: Mapping[str, Any]) -> list[str]:
-        """The optimizer state ``keys`` (a destination key -> the checkpoint key read for it) saved in a dtype
-        other than their parameter's, both as saved (``saved``: the checkpoint's metadata by key): an
-        optimizer keeping fp32 moments of a bf16 model. torch's ``load_state_dict`` casts floating state to
-        its parameter's dtype; the resume keeps these as loaded (only these: state saved in its parameter's
-        dtype follows the parameter, a model cast with ``allow_dtype_cast`` included, hunt71d)."""
+        """The optimizer state ``keys`` (a destination key -> the checkpoint key read for it, the model's
+        keys too) saved in a dtype other than their parameter's, both as saved (``saved``: the checkpoint's
+        metadata by key): an optimizer keeping fp32 moments of a bf16 model. torch's ``load_state_dict`` casts
+        floating state to its parameter's dtype; the resume keeps these as loaded (only these: state saved in
+        its parameter's dtype follows the parameter, a model cast with ``allow_dtype_cast`` included, hunt71d).
+        A state's parameter is found by the destination keys (``model.<fqn>`` beside ``optim.state.<fqn>.``):
+        the checkpoint's may be anything a name_map made them."""
         state, params = f"{self.optim}.state.", f"{self.model}."
-        fqns = {k[len(params) :] for k in saved if k.startswith(params)}
+        fqns = {k[len(params) :] for k in keys if k.startswith(params)}
         out = []
         for key, read in keys.items():
-            if not read.startswith(state):
+            if not key.startswith(state):
                 continue
-            rest = read[len(state) :]
+            rest = key[len(state) :]
             fqn: str | None = rest.rpartition(".")[0]  # <fqn>.<name>: state_owner's first guess, cheaply
             if fqn not in fqns:
                 fqn = self.state_owner(rest, fqns)
                 if fqn is None:
                     continue
-            mine, its = _dtype(saved.get(read)), _dtype(saved.get(params + fqn))
+            mine, its = _dtype(saved.get(read)), _dtype(saved.get(keys[params + fqn]))
             if mine is not None and its is not None and mine != its:
                 out.append(key)
         return out

@@ -816,6 +816,120 @@ def test_nested_optimizer_state_keys_that_would_come_back_restructured_are_refus
     assert str(resuming.value).startswith(want)
 
 
+class _Clash(torch.optim.SGD):
+    """Keeps the state ``layout`` gives each parameter, each tensor moved by its own amount at every step."""
+
+    def __init__(self, params: Any, layout: Any) -> None:
+        super().__init__(params, lr=0.1)
+        self.layout = layout
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
+            st = self.state[p]
+            st.update(self.layout(p) if not st else {})
+            for j, v in enumerate(_tensors(st)):
+                v.add_(p.grad.mean() + 10 * j)
+        return super().step()
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    return [t for v in state.values() for t in (_tensors(v) if isinstance(v, dict) else [v])]
+
+
+@pytest.mark.parametrize(
+    "state, want",
+    [
+        (
+            lambda p: {"b.c": torch.zeros_like(p), "b": {"c": torch.zeros_like(p)}},
+            "optimizer 0 (_Clash) holds state ['b.c'] of parameter '0.weight' and state ['b']['c'] of parameter "
+            "'0.weight': torch.distributed.checkpoint flattens both to the key 'optim.state.0.weight.b.c', so one "
+            "would be saved over the other; rename one of those state keys",
+        ),
+        (
+            lambda p: {"nest": {"z": torch.zeros_like(p)}, "nest.w": torch.zeros_like(p)},
+            "optimizer 0 (_Clash) holds state ['nest.w'] of parameter '0.weight' and state ['nest'] of parameter "
+            "'0.weight': the load reads every key under 'optim.state.0.weight.nest.' back into the nested state, "
+            "so the first would come back inside the second; rename one of those state keys",
+        ),
+    ],
+    ids=["dotted-beside-nested", "dotted-under-nested"],
+)
+def test_optimizer_state_keys_that_flatten_into_one_are_refused_by_name(tmp_path: Any, state: Any, want: str) -> None:
+    """fix72b 2: DCP flattens optimizer state to ``state.<fqn>.<path joined by '.'>``: a dotted state name beside
+    nested state of the same path (``{"b.c": t, "b": {"c": u}}``) became one key, the one saved over the other
+    (the resume gave ``t`` ``u``'s values, silently); a dotted name under a nested state's (``{"nest": {...},
+    "nest.w": t}``) came back inside ``nest`` too. Refused at the save, nothing written, and at the resume."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 2))
+    o = _Clash(m.parameters(), state)
+    m(torch.randn(2, 3)).sum().backward()
+    o.step()
+    with pytest.raises(ValueError) as saving:
+        save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    assert str(saving.value).startswith(want)
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError) as resuming:
+        resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    assert str(resuming.value).startswith(want)
+
+
+def test_a_clash_across_parameters_is_found_and_healthy_nested_state_is_not_one() -> None:
+    """fix72b 2: parameter ``a``'s ``b.c`` and parameter ``a.b``'s ``c`` flatten to one key (no nn.Module holds
+    both names: the finder, given them); nested state, dotted names and a name that is another's prefix do not."""
+    from smpckpt._checks import flat_state_clash
+
+    t = torch.zeros(1)
+    clash = flat_state_clash([("a", {"b.c": t}, 0), ("a.b", {"c": t}, 1)])
+    assert clash == ("a.b.c", ("a", ("b.c",), 0), ("a.b", ("c",), 1), False)
+    healthy = [("l.0.w", {"b": t, "b.c": t, "pre": {"L": t, "R": {"x": t}}}, 0), ("l.0.w2", {"pre": {"L": t}}, 1)]
+    assert flat_state_clash(healthy) is None
+
+
+def test_every_torch_optimizer_on_dotted_names_saves_and_resumes_beside_nested_state(tmp_path: Any) -> None:
+    """fix72b 2, no false refusal: each of torch's optimizers over a model with dotted names, beside an optimizer
+    keeping a dotted state name and nested state (so every key is walked for clashes), resumes bit-exact."""
+    kinds = [
+        (torch.optim.Adam, {}),
+        (torch.optim.AdamW, {}),
+        (torch.optim.SGD, {"momentum": 0.9}),
+        (torch.optim.Adagrad, {}),
+        (torch.optim.RMSprop, {"momentum": 0.5, "centered": True}),
+        (torch.optim.Adamax, {}),
+        (torch.optim.NAdam, {}),
+        (torch.optim.RAdam, {}),
+        (torch.optim.ASGD, {}),
+        (torch.optim.Rprop, {}),
+        (torch.optim.Adadelta, {}),
+    ]
+
+    def build(seed: int, kind: Any, kw: Any) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3)))
+        opts = [kind(m[1].parameters(), lr=0.01, **kw), _Dotted(m[0].parameters(), "z2")]
+        for _ in range(2):
+            for o in opts:
+                o.zero_grad()
+            m(torch.randn(2, 4)).square().sum().backward()
+            for o in opts:
+                o.step()
+        return m, opts
+
+    for i, (kind, kw) in enumerate(kinds):
+        m, opts = build(0, kind, kw)
+        save_checkpoint(str(tmp_path), f"t{i}", model=m, optimizer=opts)
+        m2, opts2 = build(1, kind, kw)
+        resume_from_checkpoint(str(tmp_path), f"t{i}", model=m2, optimizer=opts2)
+        assert _equal(m, m2), kind
+        p1, p2 = dict(m[1].named_parameters()), dict(m2[1].named_parameters())
+        for name in p1:
+            s1, s2 = opts[0].state[p1[name]], opts2[0].state[p2[name]]
+            assert s1 and list(s1) == list(s2) and all(torch.equal(s1[k], s2[k]) for k in s1), (kind, name)
+        for p, q in zip(m[0].parameters(), m2[0].parameters()):
+            assert torch.equal(opts[1].state[p]["a.b"], opts2[1].state[q]["a.b"])
+            assert torch.equal(opts[1].state[p]["nest"]["z2"], opts2[1].state[q]["nest"]["z2"])
+
+
 def test_a_parameter_left_out_of_the_optimizer_with_saved_state_is_refused_saying_why(tmp_path: Any) -> None:
     """hunt66c L3: trained at save, frozen and left out of the optimizer at the resume: refused naming only
     the optimizer keys no rank loads, not why nor what to do."""
@@ -931,6 +1045,53 @@ def test_optimizer_state_keeps_its_saved_dtype_not_its_parameters(tmp_path: Any,
             model(x).sum().backward()
             opt.step()
         assert _equal(m2, m3), steps
+
+
+_MAPS = {  # name_maps moving the model's or the optimizer's prefix (applied at the save and the resume alike)
+    "model-to-net": lambda k: "net." + k[6:] if k.startswith("model.") else k,
+    "model-only-under-body": lambda k: "model.body." + k[6:] if k.startswith("model.") else k,
+    "optim-to-opt": lambda k: "opt." + k[6:] if k.startswith("optim.") else k,
+    "all-under-stage": lambda k: "stage/" + k if k.startswith(("model.", "optim.")) else k,
+}
+
+
+@pytest.mark.parametrize("name_map", list(_MAPS.values()), ids=list(_MAPS))
+def test_optimizer_state_keeps_its_saved_dtype_through_a_name_map_moving_the_prefix(
+    tmp_path: Any, name_map: Any
+) -> None:
+    """fix72b 4: which optimizer state was saved in a dtype other than its parameter's was judged by the checkpoint's
+    keys, taking its parameter to be ``model.<fqn>`` beside ``optim.state.<fqn>.<name>``: through a name_map that
+    moves either prefix, no state was found so, and torch's load_state_dict rounded fp32 moments of a bf16 model to
+    bf16, silently (max error 0.0045). Judged by the state dict's own keys now: fp32 and bit-exact, nested too."""
+
+    def run(seed: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).bfloat16()
+        o = _MomentIn(m.parameters())
+        for _ in range(steps):
+            o.zero_grad()
+            m(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()
+            o.step()
+        return m, o
+
+    sharding = smpckpt.Sharding(name_map=name_map)
+    m, o = run(0, 3)
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o, options=sharding)
+    # a full artifact takes the one map keeping both prefixes (its files are chosen by them; others refused)
+    full = name_map is _MAPS["model-only-under-body"]
+    if full:
+        with_optim = smpckpt.ExportOptions(include_optimizer=True)
+        save_checkpoint(str(tmp_path), "a", partial=False, model=m, optimizer=o, options=[sharding, with_optim])
+    for steps, partial in ((0, True), (1, True), *(((0, False), (1, False)) if full else ())):
+        m2, o2 = run(1, steps)
+        resume_from_checkpoint(str(tmp_path), "a", partial=partial, model=m2, optimizer=o2, options=sharding)
+        assert _equal(m, m2)
+        for p, p2 in zip(m.parameters(), m2.parameters()):
+            for saved, got in (
+                (o.state[p]["m"], o2.state[p2]["m"]),
+                (o.state[p]["nest"]["m"], o2.state[p2]["nest"]["m"]),
+            ):
+                assert got.dtype == torch.float32 and torch.equal(got, saved), (steps, partial, got.dtype)
 
 
 def test_live_optimizer_state_the_resume_does_not_fill_keeps_its_dtype_and_values(tmp_path: Any) -> None:

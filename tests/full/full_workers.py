@@ -207,22 +207,36 @@ def row_swap_world(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-def nonstrict_resume_warning_as_error(rank: int, world: int, root: str) -> str:
+def nonstrict_resume_warning_as_error(rank: int, world: int, root: str) -> dict[str, Any]:
     """A full save, then a ``strict=False`` resume that skips keys, with warnings turned into errors on rank
     0 only (``pytest -W error`` on the launcher): the skipped-keys warning must fail every rank, not leave
-    the others waiting in the next collective."""
+    the others waiting in the next collective. The same for the warning of a full save given an optimizer it
+    leaves out (``dropped``; ``told``: how many times each rank said it before, warnings not errors)."""
     import warnings
 
     from torch import nn
 
     layout = ParallelLayout(dp=world)
     torch.manual_seed(0)
-    save_checkpoint(root, "big", partial=False, model=nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3)), layout=layout)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        save_checkpoint(root, "big", partial=False, model=model, optimizer=opt, layout=layout)
+    out: dict[str, Any] = {"told": sum("include_optimizer=True" in str(w.message) for w in said)}
     other = nn.Sequential(nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 2))
     if rank == 0:
         warnings.simplefilter("error")
-    try:
-        resume_from_checkpoint(root, "big", partial=False, model=other, strict=False, layout=layout)
-    except Exception as exc:  # noqa: BLE001 - what each rank saw is the result
-        return f"{type(exc).__name__}: {exc}"
-    return "ok"
+    for name, call in (
+        (
+            "resume",
+            lambda: resume_from_checkpoint(root, "big", partial=False, model=other, strict=False, layout=layout),
+        ),
+        ("dropped", lambda: save_checkpoint(root, "again", partial=False, model=model, optimizer=opt, layout=layout)),
+    ):
+        try:
+            call()
+            out[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - what each rank saw is the result
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out

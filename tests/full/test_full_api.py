@@ -38,6 +38,7 @@ from unused_branch import unused_branch_model, unused_branch_step
 
 from smpckpt import (
     CheckpointCorrupt,
+    Checkpointer,
     CheckpointExists,
     CheckpointNotFound,
     ExportOptions,
@@ -128,6 +129,37 @@ def test_round_trip_with_user_content(tmp_path: Any) -> None:
     got = resume_from_checkpoint(folder, partial=False, model=m3)
     assert got["step"] == 7
     assert_models_equal(m, m3)
+
+
+def test_an_optimizer_a_full_save_leaves_out_is_warned_once_at_the_callers_line(tmp_path: Any) -> None:
+    """fix72b 1: ``save_checkpoint(partial=False, optimizer=o)`` (and ``Checkpointer.export``) writes no optimizer
+    state unless ``ExportOptions(include_optimizer=True)`` (smp's meaning: a full save does not combine optimizer
+    states), and said nothing. Kept, with one UserWarning naming the option, at the caller's line; none with
+    the option, or without an optimizer."""
+    root = str(tmp_path)
+    m, o = trained_model(0)
+    want = "optimizer= was passed to a full save without ExportOptions(include_optimizer=True)"
+    with Checkpointer(root) as ckpt:
+        calls = (
+            lambda: save_checkpoint(root, "a", partial=False, model=m, optimizer=o),
+            lambda: ckpt.export("b", model=m, optimizer=o),
+        )
+        for call in calls:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                call()
+            said = [w for w in caught if want in str(w.message)]
+            assert len(said) == 1 and said[0].category is UserWarning and said[0].filename == __file__, caught
+        with_optim = ExportOptions(include_optimizer=True)
+        for call in (
+            lambda: save_checkpoint(root, "c", partial=False, model=m, optimizer=o, options=with_optim),
+            lambda: save_checkpoint(root, "d", partial=False, model=m),
+            lambda: ckpt.export("e", model=m),
+        ):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*include_optimizer")
+                call()
+    assert sorted(n for n in os.listdir(root) if "optimizer.safetensors" in os.listdir(os.path.join(root, n))) == ["c"]
 
 
 def test_include_optimizer_writes_adam_state(tmp_path: Any) -> None:
@@ -221,6 +253,58 @@ def test_non_tensor_optimizer_state_goes_with_the_artifact(tmp_path: Any, monkey
     with pytest.warns(UserWarning, match="strict=False: they keep the live optimizer's values") as warned:
         resume_from_checkpoint(root, "old", partial=False, model=m3, optimizer=o3, strict=False)
     assert [w.filename for w in warned if "live optimizer's" in str(w.message)] == [__file__]  # the caller's line
+
+
+class _DottedCount(torch.optim.Optimizer):
+    """Keeps a Python int count under a dotted state name beside a tensor."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
+            st = self.state[p]
+            if not st:
+                st["n.count"], st["avg"] = 0, torch.zeros_like(p)
+            st["n.count"] += 1
+            st["avg"].mul_(0.5).add_(p.grad)
+            p.add_(st["avg"], alpha=-0.1 / st["n.count"])
+
+
+def test_numbers_an_artifact_lacks_are_told_by_their_parameter_whatever_their_name(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fix72b 3: the check of an artifact holding tensor state without the numbers beside it took a number's
+    parameter to be what comes before its key's last dot: for ``1.weight.n.count`` '1.weight.n', not '1.weight',
+    so the numbers of a parameter that had no state when saved (the artifact rightly holds none) were counted as
+    lost too. Named by their parameters now; only those of parameters the artifact holds state for."""
+    import smpckpt.api._save as full_api
+
+    root = str(tmp_path)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    o = _DottedCount(m.parameters())
+    m[0](torch.ones(2, 3)).sum().backward()  # layer 1 gets no gradient: no state when saved
+    o.step()
+    current = full_api._tensor_state
+
+    def tensors_only(*args: Any, **kwargs: Any) -> dict[str, Any]:  # the writer as it was: an old artifact
+        state = current(*args, **kwargs)
+        state["optim"] = {k: v for k, v in state.get("optim", {}).items() if isinstance(v, torch.Tensor)}
+        return state
+
+    monkeypatch.setattr(full_api, "_tensor_state", tensors_only)
+    save_checkpoint(root, "old", partial=False, model=m, optimizer=o, include_optimizer=True)
+    monkeypatch.setattr(full_api, "_tensor_state", current)
+    m2 = copy.deepcopy(m)
+    with pytest.raises(LayoutMismatch) as refused:
+        resume_from_checkpoint(root, "old", partial=False, model=m2, optimizer=_DottedCount(m2.parameters()))
+    assert str(refused.value).startswith(  # then that the model holds what the load read
+        "the artifact holds optimizer tensor state but not 2 non-tensor state value(s) the optimizer keeps beside "
+        "it, of parameter(s) '0.bias', '0.weight' (optim.state.0.bias.n.count, optim.state.0.weight.n.count): "
+        "resume from a partial checkpoint, or re-export; "
+    )
 
 
 def test_resume_with_optimizer_from_artifact_without_one(tmp_path: Any) -> None:

@@ -65,7 +65,7 @@ from smpckpt.api.options import (
 from smpckpt.catalog.root import SequenceCounter, newest_record, partial_url, validate_tag
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
 from smpckpt.model.layout import KeyMapper, ParallelLayout
-from smpckpt.storage.backends._fs import location_key, options_now
+from smpckpt.storage.backends._fs import folder_key, options_now
 
 __all__ = ["Checkpointer", "last_resume_info", "ResumeInfo"]
 
@@ -151,10 +151,10 @@ class Checkpointer:
             **self.async_options.compared(),
         }
         self._counter = SequenceCounter(location.path, location.storage_options)
-        #: the root as one string whatever its spelling ('/x', '/x/', 'file:///x'): other Checkpointers of
-        #: the same root finish their background work before this one saves
+        #: the root as one string whatever its spelling ('/x', '/x/', 'file:///x', a link to it): other
+        #: Checkpointers of the same root finish their background work before this one saves
         try:
-            self._root_key = location_key(location.path, location.storage_options)
+            self._root_key = folder_key(location.path, location.storage_options)
         except (OSError, ValueError):  # refused by name where the location is first used
             self._root_key = str(location.path).rstrip("/")
         self._planners = PlannerCache()

@@ -65,7 +65,7 @@ from smpckpt.api.options import (
 from smpckpt.catalog.root import SequenceCounter, newest_record, partial_url, validate_tag
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
 from smpckpt.model.layout import KeyMapper, ParallelLayout
-from smpckpt.storage.backends._fs import folder_key, options_now
+from smpckpt.storage.backends._fs import folder_key, options_now, same_folder
 
 __all__ = ["Checkpointer", "last_resume_info", "ResumeInfo"]
 
@@ -345,7 +345,7 @@ class Checkpointer:
             common, opts = ctx.agreed(check, what)
             self._counter.storage_options = common.storage_options  # a save's number read with its options
             last = _last_resume.get()  # this thread's: a per-save Checkpointer (export too) goes on from it (rev69i 4)
-            self._counter.hint = last.tag if last is not None and last.path == self.location.path else ""
+            self._counter.hint = last.tag if last is not None and same_folder(last.path, self._root_key) else ""
             if self.sharding.join_timeout is not None:  # every rank is here: the group later saves meet on
                 self._groups.get(ctx, "join", self.sharding.join_timeout)
             if tag is not None or cls is not ResumeOptions:

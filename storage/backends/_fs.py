@@ -235,6 +235,15 @@ def folder_key(url: str | os.PathLike[str], storage_options: Mapping[str, Any] |
     return f"{_protocol(fs)}://{os.path.realpath(path)}" if is_local(fs) else location_key(url, storage_options)
 
 
+def same_folder(url: str | os.PathLike[str], key: str) -> bool:
+    """Whether ``url`` (a root as another call spelled it) is the folder :func:`folder_key` gave ``key`` for;
+    ``False`` where ``url`` cannot be opened."""
+    try:
+        return folder_key(url) == key
+    except (OSError, ValueError, ImportError):
+        return False
+
+
 def is_local(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 

@@ -309,7 +309,7 @@ def _checkpointer(
                     DistContext(held.sharding.process_group), held.sharding.join_timeout, "save_checkpoint"
                 )
         ckpt = Checkpointer(location, sharding, fast_tier=fast_tier, retention=retention, async_options=async_options)
-        if held is not None and held_key[:2] == key[:2]:
+        if held is not None and (held._root_key, held_key[1]) == (ckpt._root_key, key[1]):  # a link's too
             ckpt._counter.adopt(held._counter)
             if ckpt._tier is not None and held._tier is not None:  # the history it goes on from (runs)
                 ckpt._tier.state.adopt(held._tier.state)

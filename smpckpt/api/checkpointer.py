@@ -66,7 +66,7 @@ from smpckpt.api.options import (
 from smpckpt.catalog.root import SequenceCounter, partial_url, validate_tag
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.layout import KeyMapper, ParallelLayout
-from smpckpt.storage.backends._fs import location_key, options_now
+from smpckpt.storage.backends._fs import folder_key, options_now, same_folder
 
 __all__ = ["Checkpointer", "last_resume_info", "ResumeInfo"]
 
@@ -152,10 +152,10 @@ class Checkpointer:
             **self.async_options.compared(),
         }
         self._counter = SequenceCounter(location.path, location.storage_options)
-        #: the root as one string whatever its spelling ('/x', '/x/', 'file:///x'): other Checkpointers of
-        #: the same root finish their background work before this one saves
+        #: the root as one string whatever its spelling ('/x', '/x/', 'file:///x', a link to it): other
+        #: Checkpointers of the same root finish their background work before this one saves
         try:
-            self._root_key = location_key(location.path, location.storage_options)
+            self._root_key = folder_key(location.path, location.storage_options)
         except (OSError, ValueError):  # refused by name where the location is first used
             self._root_key = str(location.path).rstrip("/")
         self._planners = PlannerCache()
@@ -346,7 +346,7 @@ class Checkpointer:
             common, opts = ctx.agreed(check, what)
             self._counter.storage_options = common.storage_options  # a save's number read with its options
             last = _last_resume.get()  # this thread's: a per-save Checkpointer (export too) goes on from it (rev69i 4)
-            self._counter.hint = last.tag if last is not None and last.path == self.location.path else ""
+            self._counter.hint = last.tag if last is not None and same_folder(last.path, self._root_key) else ""
             if self.sharding.join_timeout is not None:  # every rank is here: the group later saves meet on
                 self._groups.get(ctx, "join", self.sharding.join_timeout)
             if tag is not None or cls is not ResumeOptions:

@@ -927,6 +927,25 @@ def test_smp_face_carries_the_rollback_to_a_model_wrapped_whole(tmp_path: Any, w
     assert _tags(root) == {t: "committed" for t in ("s1", "s2", "s3", "s4")}
 
 
+@pytest.mark.parametrize("spelling", ["file-url", "link"])
+def test_smp_face_carries_the_rollback_across_spellings_of_the_root(tmp_path: Any, spelling: str) -> None:
+    """hunt72a F2: a roll-back resumed through a symbolic link to the root (saves through the root itself) met a
+    kept Checkpointer of "another root": the new one adopted no roll-back, so keep=2 removed s1, the checkpoint the
+    job had resumed, and kept the abandoned s3, which a fallback past a damaged s4 then resumed."""
+    root = tmp_path / "run"
+    root.mkdir()
+    (tmp_path / "linked").symlink_to(root)
+    spelled = {"file-url": f"file://{root}", "link": str(tmp_path / "linked")}[spelling]
+    for step in range(1, 4):
+        m, o = _model(step)
+        save_checkpoint(str(root), f"s{step}", model=m, optimizer=o)
+    m, o = _model(0)
+    resume_from_checkpoint(spelled, tag="s1", model=m, optimizer=o)
+    save_checkpoint(str(root), "s4", model=m, optimizer=o, num_kept_partial_checkpoints=2)
+    assert read_manifest(os.path.join(root, "s4_partial")).extra.get("abandoned") == [[2, 3]]
+    assert _tags(str(root)) == {t: "committed" for t in ("s1", "s2", "s3", "s4")}
+
+
 def test_smp_face_passes_a_users_module_named_like_a_wrapper(tmp_path: Any) -> None:
     """rev66b R4: a user's own module merely named DataParallel or CheckpointWrapper (no inner attribute) made
     the smp face's unwrapping fail save and resume with AttributeError; it is the model, unwrapped no further."""

@@ -212,6 +212,31 @@ def test_overwrite(tmp_path: Any) -> None:
     assert resume_from_checkpoint(str(tmp_path), model=m) == 3
 
 
+def test_an_overwrite_of_an_older_tag_is_the_newest_save_for_a_tagless_resume_and_retention(tmp_path: Any) -> None:
+    """Ordered by its new sequence number, not its tag's first: a tag-less resume loads it without falling back to
+    the tag saved after its first generation, and retention removes that tag, not the overwritten one (hunt72a)."""
+    root = str(tmp_path)
+    kept = smpckpt.Retention(num_kept_partial_checkpoints=2)
+    with smpckpt.Checkpointer(root, retention=kept) as ckpt:
+        ckpt.save("a", model=_model(0)[0])
+        ckpt.save("b", model=_model(1)[0])
+        m, _ = _model(2)
+        ckpt.save("a", model=m, options=smpckpt.SaveOptions(overwrite=True))
+    m2, _ = _model(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: 'newest' names the newest save
+        with smpckpt.Checkpointer(root) as restarted:
+            restarted.resume(model=m2)
+    assert _equal(m, m2) and restarted.last_resume_info is not None and not restarted.last_resume_info.fell_back
+    with smpckpt.Checkpointer(root, retention=kept) as ckpt:
+        ckpt.resume(model=_model(6)[0])
+        ckpt.save("c", model=_model(3)[0])
+    assert sorted(os.listdir(root)) == ["a_partial", "c_partial", "newest"]
+    m3, _ = _model(7)
+    resume_from_checkpoint(root, tag="a", model=m3)
+    assert _equal(m, m3)
+
+
 def test_explicit_tag_and_crash_between_write_and_commit(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     m, o = _model(0)
     save_checkpoint(str(tmp_path), "good", model=m, optimizer=o, user_content="good")

@@ -8,11 +8,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import json
 import os
 import pickle
 import subprocess
 import sys
 import threading
+import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +44,7 @@ from smpckpt import (
 from smpckpt.api._async import LaneThread
 from smpckpt.api._staging import _GatesHook
 from smpckpt.api.calls import _KEPT
+from smpckpt.storage.format.manifest import MANIFEST_NAME
 
 
 def _trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -588,6 +592,33 @@ def test_two_models_saving_into_one_root_number_their_saves_after_each_other(tmp
     resume_from_checkpoint(root, model=got)
     assert last_resume_info().tag == "a2"
     assert torch.equal(got.weight, a.weight)
+
+
+def test_checkpointers_of_one_root_spelled_through_a_link_finish_each_others_saves_first(tmp_path: Any) -> None:
+    """Two Checkpointers of one root, one given it through a symbolic link (a mount point linked into a home):
+    the root's key followed only '/x', '/x/', 'file:///x', so the later save neither waited for the background save
+    in flight nor numbered after it: both drew one sequence number, 'newest' named the one committed last and a
+    tag-less resume fell back past it with a warning that the job had stopped (hunt72a)."""
+    root, link = tmp_path / "run", tmp_path / "linked"
+    root.mkdir()
+    link.symlink_to(root)
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    with Checkpointer(str(root), async_options=AsyncOptions(enabled=True)) as x, Checkpointer(str(link)) as y:
+        real = x._write
+        x._write = lambda *args: (time.sleep(1.0), real(*args))[1]  # a big model's background write
+        fut = x.save("x1", a)
+        y.save("y1", b)  # after x1, so numbered after it: it waits for x1's background save first
+        assert fut is not None and fut.result() is None
+    seq = {
+        t: json.loads((root / f"{t}_partial" / MANIFEST_NAME).read_bytes())["extra"]["sequence"] for t in ("x1", "y1")
+    }
+    assert seq["y1"] > seq["x1"], seq
+    assert (root / "newest").read_text().strip() == "y1"
+    got = nn.Linear(2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback: 'newest' names the last save
+        resume_from_checkpoint(str(root), model=got)
+    assert last_resume_info().tag == "y1" and torch.equal(got.weight, b.weight)
 
 
 def test_a_name_map_written_at_the_call_keeps_one_checkpointer(tmp_path: Any) -> None:

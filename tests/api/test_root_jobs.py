@@ -189,6 +189,28 @@ def test_a_restart_saving_through_checkpointers_built_per_save_keeps_its_retenti
     assert not [r for r in caplog.records if "resumed none" in r.getMessage()]
 
 
+@pytest.mark.parametrize("spelling", ["slash", "file-url", "link"])
+def test_a_per_save_checkpointer_goes_on_from_a_resume_through_another_spelling_of_the_root(
+    tmp_path: Any, caplog: Any, spelling: str
+) -> None:
+    """hunt72a F3: the thread's resume was matched to a per-save Checkpointer by the root's spelling ('/x' against
+    '/x/', 'file:///x', a link to it): the save warned "resumed none" and kept the run it resumed as abandoned,
+    never removed (README: "resume in one Checkpointer, save or export through new ones: retention as usual")."""
+    root = tmp_path / "run"
+    root.mkdir()
+    (tmp_path / "linked").symlink_to(root)
+    spelled = {"slash": f"{root}/", "file-url": f"file://{root}", "link": str(tmp_path / "linked")}[spelling]
+    other_job(str(root), "a1")
+    m, o = model()
+    with Checkpointer(spelled) as first:
+        first.resume(model=m, optimizer=o)
+    caplog.set_level(logging.WARNING)
+    with Checkpointer(str(root), retention=Retention(num_kept_partial_checkpoints=1)) as each:
+        each.save("b1", m, o)
+    assert _committed(str(root)) == ["b1"]  # before: ["a1", "b1"]
+    assert not [r for r in caplog.records if "resumed none" in r.getMessage()]
+
+
 def test_an_export_between_saves_does_not_hide_the_other_job(tmp_path: Any) -> None:
     """rev69c 2: A saves s1, B saves t1, A exports, then saves s2. Before: the export's draw marked t1 seen, s2
     was not refused and A's retention (keeping 1) removed B's t1. Now s2 is refused naming t1; nothing removed."""

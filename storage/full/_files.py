@@ -22,7 +22,7 @@ from typing import Any, cast
 import numpy as np
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage.backends._fs import is_local, join, pread_into, translate_errors
+from smpckpt.storage.backends._fs import is_local, is_s3, join, pread_into, translate_errors
 from smpckpt.storage.format._checksum import hash_rows
 from smpckpt.storage.format._columns import STREAM_PIECE_BYTES, Into, streams
 from smpckpt.storage.full._units import Unit, UnitIndex, intervals
@@ -130,6 +130,19 @@ class RunFiles:
             base, whole = held[0][1], memoryview(held[0][2])
             blobs: list[Any] = [whole[lo - base : lo - base + n] for lo, n in spans]
             fetched = 0
+        elif is_s3(self.fs) and end - first == len(starts) * run:
+            # S3, runs back to back (a row box, a whole tensor: sizes past a span): the GET body streams
+            # into ``out`` as a partial checkpoint's reads do; through a ``bytes`` blob per box, a resume held
+            # a copy of every large tensor in flight (one per thread) above the state
+            from smpckpt.storage.backends._s3 import get_range_into
+
+            flat = out if out.format == "B" and out.ndim == 1 else out.cast("B")
+            with data_file(path):
+                got = get_range_into(self.fs, path, first, end, [flat[: end - first]])
+            self._count(1)
+            if got != end - first:
+                raise CheckpointCorrupt(f"{path}: short read at offset {first} ({got} of {end - first} bytes)")
+            return end - first
         else:
             with data_file(path):
                 blobs = self.fs.cat_ranges([path] * len(spans), [lo for lo, _ in spans], [lo + n for lo, n in spans])

@@ -49,7 +49,8 @@ def upload_folder(folder: Any, endpoint: str, bucket: str, prefix: str) -> dict[
 
 
 def record_ranged_gets(monkeypatch: Any, suffix: str) -> list[tuple[str, int, int]]:
-    """Every ranged GET s3fs makes of a key ending in ``suffix`` from now on, as ``(path, start, end)``."""
+    """Every ranged GET of a key ending in ``suffix`` from now on (s3fs's own and those streamed into our
+    buffers), as ``(path, start, end)``."""
     import s3fs
 
     gets: list[tuple[str, int, int]] = []
@@ -61,6 +62,17 @@ def record_ranged_gets(monkeypatch: Any, suffix: str) -> list[tuple[str, int, in
         return await real(self, path, version_id=version_id, start=start, end=end)
 
     monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", counted)
+    # the GETs whose bodies stream into our buffers (storage/backends/_s3.py), not through _cat_file
+    from smpckpt.storage.backends import _s3
+
+    real_into = _s3.get_range_into
+
+    def counted_into(fs: Any, path: str, lo: int, hi: int, views: Any) -> int:
+        if str(path).endswith(suffix) and hi > lo:
+            gets.append((str(path), lo, hi))
+        return real_into(fs, path, lo, hi, views)
+
+    monkeypatch.setattr(_s3, "get_range_into", counted_into)
     return gets
 
 

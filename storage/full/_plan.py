@@ -263,8 +263,11 @@ def _torch_file(name: str, entries: Sequence[tuple[str, torch.dtype, tuple[int, 
 
     with FakeTensorMode():
         fake = {key: torch.empty(shape, dtype=dtype) for key, dtype, shape in entries}
-    fd, path = tempfile.mkstemp(prefix="smpckpt-torch-layout-", suffix=".pt")
-    os.close(fd)
+    # saved under the file's own name in a temporary folder: torch.save names the archive inside (every
+    # record's path) after the file, as ``torch.save(state, name)`` does; a random temporary name made every
+    # export's bytes differ from the next one's and from torch.save's
+    folder = tempfile.mkdtemp(prefix="smpckpt-torch-layout-")
+    path = os.path.join(folder, name)
     try:
         with torch.serialization.skip_data(materialize_fake_tensors=True):
             torch.save(fake, path)
@@ -286,6 +289,8 @@ def _torch_file(name: str, entries: Sequence[tuple[str, torch.dtype, tuple[int, 
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def _objects(

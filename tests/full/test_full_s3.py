@@ -56,3 +56,40 @@ def test_a_tie_held_apart_split_differently_on_s3_is_read_back_and_warned(moto_e
     assert "'head.weight' and 'embed.weight' differ at element 63 of 64" in said[0][0] and said[1] == [], said
     fs, path = open_fs(f"s3://{BUCKET}/tie/w2d0.5", options)
     assert json.loads(fs.cat_file(f"{path}/config.json"))["tie_word_embeddings"] is True
+
+
+class _OneTensor(torch.nn.Module):
+    def __init__(self, fill: bool) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(1 << 18, dtype=torch.float32) if fill else torch.zeros(1 << 18))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_box_past_the_span_limit_streamed_from_s3_is_checked(
+    tmp_path: Any, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """A box larger than a span streams its GET body straight into the destination (no ``bytes`` copy):
+    a flipped byte is still found by its check unit, and an object cut short by the byte count."""
+    from s3_env import serve_full_artifact
+
+    from smpckpt import resume_from_checkpoint, save_checkpoint
+    from smpckpt.errors import CheckpointCorrupt
+
+    save_checkpoint(tmp_path, "f", partial=False, model=_OneTensor(True))
+    path = tmp_path / "f" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) - 5000] ^= 0x10
+    else:
+        del data[-8:]
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    opts, gets = serve_full_artifact(monkeypatch, tmp_path / "f", moto_endpoint, "streamed-box", 4096)
+    with pytest.raises(CheckpointCorrupt) as info:
+        resume_from_checkpoint("s3://streamed-box/ck", partial=False, model=_OneTensor(False), storage_options=opts)
+    want = {
+        "flip": "streamed-box/ck/model.safetensors: checksum mismatch in tensor 'w' at box [258048]+[4096]",
+        "truncate": "streamed-box/ck/model.safetensors: short read at offset 128 (1048568 of 1048576 bytes)",
+    }[damage]
+    assert want in str(info.value), str(info.value)
+    assert gets == [("streamed-box/ck/model.safetensors", 128, 128 + (4 << 18))]  # one GET, the whole tensor

@@ -49,6 +49,22 @@ def test_torch_save_artifact_loads_with_torch_load_and_resumes(tmp_path: Any) ->
     assert_state_equal(optim_state(m, o), optim_state(fresh, fresh_opt))
 
 
+def test_torch_save_artifacts_of_one_state_are_the_same_bytes(tmp_path: Any) -> None:
+    """The archive inside is named after the file, as ``torch.save(state, "pytorch_model.bin")`` names it, so
+    two exports of one state are the same bytes (the layout was laid out in a temporary file whose random
+    name went into every record: ``smpckpt-torch-layout-6dk59cyg/data.pkl``). Not byte-equal to
+    ``torch.save``'s own file: a FakeTensor's device string is pickled afresh where torch memoises it."""
+    import zipfile
+
+    m, _ = trained_model(0)
+    for tag in ("a", "b"):
+        save_checkpoint(str(tmp_path), tag, partial=False, model=m, format="torch_save")
+    torch.save({k: v.detach() for k, v in m.state_dict().items()}, tmp_path / "pytorch_model.bin")
+    a, b = (tmp_path / "a" / "pytorch_model.bin"), (tmp_path / "b" / "pytorch_model.bin")
+    assert zipfile.ZipFile(a).namelist() == zipfile.ZipFile(tmp_path / "pytorch_model.bin").namelist()
+    assert a.read_bytes() == b.read_bytes()
+
+
 class _Buffers(torch.nn.Module):
     def __init__(self, values: dict[str, torch.Tensor]) -> None:
         super().__init__()

@@ -109,7 +109,9 @@ def _judge(
     on our side (one it renames) and other families' rules take the artifact's keys this rank does not ask for (those
     it asks are ours; fused rules name a family surest, either side: GPT-2's renamed mlp.c_fc is GPT-Neo's own key);
     with no family's, the words of a note for the strict refusal. ``""`` (missing as any key is): no key a rule makes
-    (a new head, a stage's cut); the translation taking the names as ours; no key the rank does not ask for."""
+    (a new head, a stage's cut); the translation taking the names as ours; no key the rank does not ask for; renamed
+    keys simply absent (rev71c3 L1): the keys the rank finds are that family's names too (the model is in them) and
+    nothing of the artifact lies in the layer (outside layers, the module) of a renamed key or of its sources."""
     ours = [k for k in missing if k.startswith(prefix)]
     made = {k: r for k in (k[len(prefix) :] for k in ours) if (r := translation.rule_of(k, {k: ()}, "ours"))}
     if not made:
@@ -122,6 +124,11 @@ def _judge(
     hits = _others(translation, unasked, ("artifact", "ours"))
     score = {n: (sum(f for f, _, _ in h), len(h)) for n, h in hits.items()}
     named = [n for n, s in score.items() if s == max(score.values())]
+    found = _others(translation, [k for k in shapes if prefix + k in asked], ("artifact", "ours"))
+    made_of = [n for k, r in made.items() for n in (k, *(t.format(**r.match(k, "ours") or {}) for t in r.artifact))]
+    places = tuple({_layer(n) or n[: n.rfind(".") + 1] for n in made_of})
+    if not found.keys().isdisjoint(named) and not any(k.startswith(places) for k in shapes):
+        return ""
     head = f"{url}: the artifact's names do not match translation {translation.name!r} (it takes none of its"
     head += f" {len(shapes)} model keys"
     if not named:

@@ -33,83 +33,21 @@ def _unread(metadata: Any) -> Mapping[str, Any]:
 def refuse_unread(missing: Sequence[str], metadata: Any, asked: Container[str] = frozenset()) -> None:
     """(error path) Refuse ``missing`` keys under a prefix the storage reader left out of what it presents
     (:data:`~smpckpt.model.layout.UNREAD_KEY`: an untranslated artifact's optimizer state read through a
-    translation), in its words: optional or not, skipping them would load without what was asked for. And,
-    model keys of ours missing from an untranslated artifact read as it is (no rule of the translation takes
-    its names) whose names another family's translation takes, when a missing key is one the translation
-    renames (makes by a rule on our side): refused naming that family, strict or not
-    (``asked``: the keys this rank loads; the artifact's keys among them are ours, not another family's)."""
+    translation), in its words: optional or not, skipping them would load without what was asked for; and model
+    keys of ours missing from an artifact read as it is that the reader's judge (``smpckpt.hf``'s wrong-family
+    rule) finds another family's, strict or not (``asked``: the keys this rank loads)."""
     for prefix, why in (_unread(metadata).get("refuse") or {}).items():
         found = [k for k in missing if k.startswith(prefix)]
         if found:
             raise LayoutMismatch(f"{why} (asked for {len(found)} such keys: {show_keys(found)})")
-    judged = _as_is(missing, metadata, asked)
-    if judged is not None and judged[1]:
-        head, family, ours = judged
-        raise LayoutMismatch(f"{head}){family}; {ours}")
+    unread_note(metadata, missing, asked)
 
 
 def unread_note(metadata: Any, missing: Sequence[str] = (), asked: Container[str] = frozenset()) -> str:
     """(error path) Why our keys are missing from an untranslated artifact read through a translation that
-    takes none of its names, when no family's takes them either, or ``""``."""
-    judged = _as_is(missing, metadata, asked)
-    if judged is None or judged[1]:
-        return ""
-    return (
-        f". {judged[0]}, {judged[2]}, as Hugging Face names or ours); nor are they any family's of smpckpt.hf: "
-        "resume without translate_function into a model in its names"
-    )
-
-
-def _as_is(missing: Sequence[str], metadata: Any, asked: Container[str]) -> tuple[str, str, str] | None:
-    """(error path) For model keys in ``missing`` from an artifact the reader presents as it is through a
-    translation: ``(head, family hint or "", what is missing)``; ``None`` when none is missing that a rule of
-    the translation makes on our side (a key it renames; a user's rule-less translation makes none), or the
-    translation takes the names as ours, or the artifact holds no key this rank does not ask for."""
-    found = _unread(metadata).get("as_is")
-    if not found:
-        return None
-    translation, url, prefix, families = found
-    ours = [k for k in missing if k.startswith(prefix)]
-    if not ours:
-        return None  # no model key of ours missing: nothing built
-    if not any(translation.rule_of(n, {n: ()}, "ours") is not None for n in (k[len(prefix) :] for k in ours)):
-        return None  # none the translation makes (a new head, a stage's cut): missing as any key is, not a mismatch
-    shapes = {
-        k[len(prefix) :]: tuple(md.size)
-        for k, md in metadata.state_dict_metadata.items()
-        if k.startswith(prefix) and not isinstance(md, BytesStorageMetadata)
-    }
-    if any(translation.rule_of(k, shapes, "ours") is not None for k in shapes):
-        return None
-    unasked = {k: s for k, s in shapes.items() if prefix + k not in asked}
-    if not unasked:
-        return None  # all of them our keys, some missing: the plain refusal says which
-    # family -> (side, key) hits; fused rules (several Hugging Face tensors) name a family surest, on
-    # either side (GPT-2's renamed mlp.c_fc is GPT-Neo's own key, which a GPT-Neo in our names holds too)
-    hits: dict[str, list[tuple[bool, str, str]]] = {}
-    for other in families:  # smpckpt.hf's, for the one whose names these are
-        if other.name == translation.name:
-            continue
-        for side in ("artifact", "ours"):
-            for k in unasked:
-                rule = other.rule_of(k, unasked, side)
-                if rule is not None:
-                    hits.setdefault(other.name, []).append((len(rule.artifact) > 1, side, k))
-    score = {n: (sum(f for f, _, _ in h), len(h)) for n, h in hits.items()}
-    best = max(score.values(), default=None)
-    named = [n for n, s in score.items() if s == best]
-    head = f"{url}: the artifact's names do not match translation {translation.name!r} (it takes none of its"
-    head += f" {len(shapes)} model keys"
-    if not named:
-        return head, "", f"{next(iter(shapes))!r}, ..."
-    fused, side, key = sorted(hits[named[0]], key=lambda h: not h[0])[0]
-    what = "Hugging Face names" if side == "artifact" else "names in ours (as its translation presents them)"
-    return (
-        head,
-        f": they are {' or '.join(named)}'s {what} ({key!r}): resume with that family's, "
-        f"smpckpt.hf.translation_for({named[0]!r}), into a model of that family",
-        f"{len(ours)} of our model keys are not in it: {show_keys(ours)}",
-    )
+    takes none of its names, when no family's takes them either, or ``""`` (raises naming a family's)."""
+    judge = _unread(metadata).get("as_is")
+    return judge(missing, metadata.state_dict_metadata, asked) if judge is not None else ""
 
 
 def likely_causes(keys: Sequence[str], saved: Iterable[str], asked: Set[str] = frozenset()) -> str:

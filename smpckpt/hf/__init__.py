@@ -4,118 +4,20 @@ One module per family (gpt2, bert, roberta, gptj, gptneo: the five smp translate
 names as aliases; llama, qwen2, mistral), each with ``TRANSLATION``, the eager
 ``translate_hf_state_dict_to_smpckpt`` / ``translate_state_dict_to_hf`` and ``tp_specs(tp, config,
 prefix="")``, as the README's "Hugging Face families" describes them (tied heads, dropped buffers, fused
-tensors in a view that reshards). :data:`TRANSLATIONS` maps HF's ``config.model_type`` to each family's
-translation. Nothing here imports transformers: configs are read by attribute or dict key."""
+tensors in a view that reshards); :data:`TRANSLATIONS` and the wrong-family rule: :mod:`smpckpt.hf._family`.
+Nothing here imports transformers: configs are read by attribute or dict key."""
 
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any
 
 from smpckpt.errors import SpecError
 from smpckpt.hf import bert, gpt2, gptj, gptneo, llama, mistral, qwen2, roberta
-from smpckpt.model.translation import Translation, _stranded, _template_regex, check_translates, refuse_adapters
+from smpckpt.hf._family import TRANSLATIONS, as_is_judge, check_config, check_translation, translation_for
+from smpckpt.model.translation import Translation, _stranded, refuse_adapters
 
 __all__ = ["gpt2", "bert", "roberta", "gptj", "gptneo", "llama", "qwen2", "mistral", "TRANSLATIONS", "translation_for"]
-__all__ += ["check_translation", "check_config", "check_config_tensors"]
-
-#: HF ``config.model_type`` -> translation.
-TRANSLATIONS: Mapping[str, Translation] = MappingProxyType(
-    {mod.TRANSLATION.name: mod.TRANSLATION for mod in (gpt2, bert, roberta, gptj, gptneo, llama, qwen2, mistral)}
-)
-
-#: module names that differ from the model_type (smp's import path is ``...huggingface.gptneo``)
-_MODULE_NAMES = MappingProxyType({"gptneo": "gpt_neo"})
-
-
-def translation_for(name: str) -> Translation:
-    """The translation of a family by ``config.model_type`` (``"gpt_neo"``) or module name (``"gptneo"``)."""
-    found = TRANSLATIONS.get(_MODULE_NAMES.get(name, name))
-    if found is None:
-        raise KeyError(f"no Hugging Face translation for {name!r}; known: {sorted(TRANSLATIONS)}")
-    return found
-
-
-def check_translation(translation: Translation, shapes: Mapping[str, Sequence[int]], side: str) -> None:
-    """Refuse a translation that does not fit the tensors ``shapes`` (``side``: ``"ours"`` when
-    exporting ours, ``"artifact"`` when importing a Hugging Face folder's), as
-    :func:`smpckpt.model.translation.check_translates` says, against every family here."""
-    check_translates(translation, shapes, "ours" if side == "ours" else "artifact", TRANSLATIONS.values())
-    if side != "ours":
-        _refuse_fused_ours(translation, shapes)
-
-
-def _refuse_fused_ours(translation: Translation, shapes: Mapping[str, Sequence[int]]) -> None:
-    """(import) Refuse tensors holding another family's fused tensor in our names (GPT-Neo's
-    ``attn.attention.qkv_proj``) that a family's ``translation`` leaves while taking others: that family's model
-    in our names, of which the rules take what they read as their Hugging Face names (GPT-Neo's ``mlp.c_fc``,
-    transposed as GPT-2's ``Conv1D``). A user's own translation (a GPT-Neo in our names with a head it renames)
-    knows its tensors; names no rule takes are read as they are (not here)."""
-    if TRANSLATIONS.get(translation.name) is None:
-        return
-    templates: dict[str, list[str]] = {}  # our template of another family's fused rule -> the families
-    for other in TRANSLATIONS.values():
-        for rule in other.rules if other.name != translation.name else ():
-            if len(rule.artifact) > 1 and other.name not in templates.setdefault(rule.ours, []):
-                templates[rule.ours].append(other.name)
-    tails = [(t.rpartition("}")[2], t, names) for t, names in templates.items()]  # a cheap test before the regex
-    found: dict[str, list[str]] = {}
-    for key in shapes:
-        hit = next((n for tail, t, n in tails if key.endswith(tail) and _template_regex(t).fullmatch(key)), None)
-        if hit is not None and translation.rule_of(key, shapes, "ours") is None:  # Llama's, Mistral's, Qwen2's
-            found.setdefault(" or ".join(f"{n}'s" for n in hit), []).append(key)
-    if not found:
-        return
-    # only a leftover in a layer whose other tensors the rules take: that layer is another family's in our names;
-    # a module of its own beside the model (a draft model in CodeGen's names) is read as it is (rev71c3 M1)
-    taken = {_layer(k) for k in shapes if translation.rule_of(k, shapes, "artifact") is not None} - {None}
-    found = {n: kept for n, ks in found.items() if (kept := [k for k in ks if _layer(k) in taken])}
-    if not found:
-        return
-    names, keys = max(found.items(), key=lambda item: len(item[1]))
-    raise SpecError(
-        f"translation {translation.name!r} takes some of the tensors as Hugging Face names but leaves "
-        f"{', '.join(repr(k) for k in keys[:3])}{' ...' if len(keys) > 3 else ''}, which are {names} fused tensors "
-        f"in our names: the tensors are that family's model in our names, read as they are with its translation, "
-        f"smpckpt.hf.translation_for({names.partition(chr(39))[0]!r}), into a model of that family"
-    )
-
-
-def _layer(key: str) -> str | None:
-    """The key up to and with its first numbered field (``transformer.h.0.``): its layer; ``None``: none."""
-    found = _LAYER_FIELD.search(key)
-    return key[: found.end()] if found else None
-
-
-_LAYER_FIELD = re.compile(r"\.\d+\.")
-#: what may follow a family's class prefix in ``architectures`` (``GPTJ`` + ``ForCausalLM``)
-_HEADS = re.compile(r"(For[A-Z]\w*|LMHeadModel|DoubleHeadsModel|Model|PreTrainedModel)")
-
-
-def check_config(translation: Translation, config: Any) -> None:
-    """Refuse a ``config.json`` of another family than ``translation`` (one of ours): its
-    ``model_type`` must be the translation's and each of its ``architectures`` a class of that family
-    (``from_pretrained`` builds the model they name, over tensors laid out for the translation's)."""
-    if translation.name not in TRANSLATIONS or config is None:
-        return  # a translation of the user's own: its family is theirs to know
-    get = config.get if isinstance(config, Mapping) else lambda name: getattr(config, name, None)
-    model_type = get("model_type")
-    if model_type and model_type != translation.name:
-        raise ValueError(
-            f"hf_config is a {model_type!r} config but the translation is for {translation.name!r}: use "
-            f"smpckpt.hf.translation_for({model_type!r}) if the model is a {model_type}, or the config of its family"
-        )
-    prefix = re.sub(r"(For[A-Z]\w*|LMHeadModel)$", "", translation.architecture or "")
-    wrong = [
-        a
-        for a in get("architectures") or ()
-        if not (prefix and str(a).startswith(prefix) and _HEADS.fullmatch(str(a)[len(prefix) :]))
-    ]
-    if prefix and wrong:
-        raise ValueError(
-            f"hf_config names the architectures {wrong}, which are not {translation.name!r} models (the "
-            f"translation writes {translation.architecture}'s tensors): give the config of the model's family"
-        )
+__all__ += ["check_translation", "check_config", "check_config_tensors", "as_is_judge"]
 
 
 def check_config_tensors(translation: Translation | None, config: Any, artifact_keys: Iterable[str]) -> None:

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError
-from smpckpt.hf import TRANSLATIONS, check_translation
+from smpckpt.hf import TRANSLATIONS, as_is_judge, check_translation
 from smpckpt.model.layout import MERGED_KEY, METADATA_KEY, OPTIM_STATE_PREFIX, TIED_KEY, UNREAD_KEY
 from smpckpt.model.translation import Cat, Expr, Leaf, Translation
 from smpckpt.storage.backends._fs import join, read_bytes_or_none, translate_errors
@@ -436,17 +436,10 @@ class ArtifactIndex:
         translation went unused and our fused keys were "not in the checkpoint"). Its other state (optimizer
         state, keyed by the Hugging Face parameters) is left out, asking for it refused (:data:`UNREAD_KEY`)."""
         art_shapes = self.shapes.get("model", {})
-        try:
-            found = translation.from_artifact(art_shapes)
-        except ValueError:
-            found = None  # _model_entries's check names what does not fit
         data = dict(metadata.planner_data) if isinstance(metadata.planner_data, dict) else {}
-        if found is not None and all(expr == Leaf(k) for k, (expr, _) in found.items()):
-            # no rule takes a tensor: our names (saved from our model), read as they are; or another family's,
-            # or names no family takes: judged by the planner only if our keys are missing (a fused name of
-            # ours may be another family's Hugging Face name: GPT-Neo's mlp.c_fc is GPT-2's)
-            as_is = (translation, self.url, prefix, tuple(TRANSLATIONS.values()))
-            metadata.planner_data = {**data, UNREAD_KEY: {"as_is": as_is}}
+        judge = as_is_judge(translation, art_shapes, self.url, prefix)
+        if judge is not None:  # no rule takes a tensor: read as it is, judged by the planner if keys are missing
+            metadata.planner_data = {**data, UNREAD_KEY: {"as_is": judge}}
             return
         refuse: dict[str, str] = {}
         for fqn, (art, expr) in list(self.exprs.items()):

@@ -834,6 +834,49 @@ def test_untranslated_artifact_loads_into_a_stage_with_a_new_key_under_strict_fa
     assert torch.equal(got["score.weight"], torch.zeros(3))
 
 
+def test_a_stage_holding_a_head_its_own_translation_renames_loads_from_an_artifact_saved_without_it(
+    tmp_path: Path,
+) -> None:
+    """rev71c3 L1: nanoGPT in GPT-2's Hugging Face names saved without its head, read by a last stage whose head
+    its own translation renames (head.w <- head.weight): the head's source is simply absent (nothing of the
+    artifact under head., the stage's other keys found as they are), so strict=False loads the rest bit-exact and
+    keeps the head's values, and strict refuses it plainly (it was refused as GPT-2's names). The waiver is no
+    loophole: GPT-2's names read with GPT-Neo's translation into a GPT-Neo stage holding layer 0 (its wte found
+    as it is; its qkv_proj's layer holds GPT-2's c_attn) is still refused naming GPT-2, strict or not."""
+    from smpckpt.model.translation import Translation, rename
+
+    hf = tiny_model("gpt2", seed=7, dtype=torch.float32).state_dict()
+    sd = {k: v for k, v in hf.items() if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
+    smpckpt.save_checkpoint(str(tmp_path), "full", partial=False, model=Holder({k: v.clone() for k, v in sd.items()}))
+    url, mine = str(tmp_path / "full"), Translation("mine", rules=(rename("head.w", "head.weight"),))
+    head = torch.arange(12.0).reshape(3, 4)
+    dst = Holder({**_stage_of(sd), "head.w": head.clone()})
+    smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, strict=False, translate_function=mine)
+    got = dst.state_dict()
+    assert [k for k in got if k not in ("score.weight", "head.w") and not torch.equal(got[k], sd[k])] == []
+    assert torch.equal(got["head.w"], head) and torch.equal(got["score.weight"], torch.zeros(3))
+    with pytest.raises(
+        smpckpt.errors.LayoutMismatch,
+        match=r"2 keys are not in the checkpoint: model\.score\.weight, model\.head\.w \(pass",
+    ) as e:
+        smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, translate_function=mine)
+    assert "do not match" not in str(e.value)
+    neo = MODULES["gpt_neo"].translate_hf_state_dict_to_smpckpt(tiny_model("gpt_neo", seed=7).state_dict())
+    for strict in (True, False):
+        dst = Holder(_stage_of(neo))
+        with pytest.raises(
+            smpckpt.errors.LayoutMismatch,
+            match=r"do not match translation 'gpt_neo' \(it takes none of its 28 model keys\): they are gpt2's Hugging Face "
+            r"names \('transformer\.h\.0\.attn\.c_attn\.weight'\): resume with that family's, smpckpt\.hf\."
+            r"translation_for\('gpt2'\), into a model of that family; 4 of our model keys are not in it: "
+            r"model\.transformer\.h\.0\.attn\.attention\.qkv_proj\.weight,",
+        ):
+            smpckpt.resume_from_checkpoint(
+                url, None, partial=False, model=dst, strict=strict, translate_function=MODULES["gpt_neo"].TRANSLATION
+            )
+        assert all(not v.any() for v in dst.state_dict().values())
+
+
 def test_a_folder_with_a_module_in_another_familys_fused_name_beside_the_model_loads_as_it_did(
     tmp_path: Path,
 ) -> None:

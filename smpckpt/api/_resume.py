@@ -157,26 +157,27 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
         return None
     latest = max(committed, key=lambda r: r.order)
     top = latest.order[0]  # the listing every later save numbers past
+    shown = root.rstrip("/") or root  # spelled as lineage() spells the root's copy, in one message
     named = next((r for r in committed if r.tag == newest), None)
     if named is not None and named.order >= latest.order:
         return dataclasses.replace(Target.of(named.tag, named.url, named.manifest, False), seen_seq=top, listed=True)
     if named is not None:
         reason = (
-            f"{root}/newest names {newest!r}, but {latest.tag!r} was numbered after it (the job probably "
+            f"{shown}/newest names {newest!r}, but {latest.tag!r} was numbered after it (the job probably "
             "stopped between that commit and the update of 'newest', or two saves overlapped)"
         )
     elif newest is None:
-        reason = f"{root}/newest is missing or unreadable"
+        reason = f"{shown}/newest is missing or unreadable"
     else:
         named_record = next((r for r in records if r.tag == newest), None)
         state = named_record.state if named_record is not None else "missing"
         if named_record is not None and state == "unreadable":
             # an I/O error says nothing against it: a fallback would silently resume an older one
             raise CheckpointError(
-                f"{root}/newest names {newest!r}, which could not be read ({named_record.detail}); not falling back to "
+                f"{shown}/newest names {newest!r}, which could not be read ({named_record.detail}); not falling back to "
                 "an older checkpoint. Retry the resume, or pass tag= to choose one"
             )
-        reason = f"{root}/newest names {newest!r}, which is not a committed checkpoint ({state})"
+        reason = f"{shown}/newest names {newest!r}, which is not a committed checkpoint ({state})"
     copy, history, dropped, by_copy = lineage(root, storage_options, committed)
     by_copy = f", as {by_copy} records" if by_copy else ""
     gone = f" (not {[r.tag for r in dropped]}: a roll-back abandoned them{by_copy})" if dropped else ""

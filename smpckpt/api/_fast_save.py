@@ -44,7 +44,9 @@ from smpckpt.api._tiers import (
 from smpckpt.api.options import FastTier
 from smpckpt.catalog.root import (
     CheckpointRecord,
+    Ranges,
     SequenceCounter,
+    abandoned_of,
     open_root,
     partial_dirname,
     partial_url,
@@ -116,6 +118,7 @@ class FastTierPart:
             req = dataclasses.replace(req, tag=retry.tag, url=partial_url(req.root, retry.tag))
         with self.state.lock:  # retention keeps it until the drain ends
             self.state.held.add(req.tag)
+        back = abandoned_of(prepared.parsed().extra)  # what this save's history abandoned: retention keeps it
 
         def work() -> None:
             try:
@@ -125,7 +128,7 @@ class FastTierPart:
                 with self.state.lock:  # a failed drain too: the next save may drain it again
                     self.state.held.discard(req.tag)
             if tier.nodes.is_leader:  # the fast tier kept this tag while it drained: it may go now
-                retain_fast(tier, None)
+                retain_fast(tier, None, back)
 
         self.drain_lane.submit(req.tag, work)
 
@@ -363,13 +366,16 @@ def _retry_of(
             why = "this job did not go on from it (another history's save: a node back with an older disk?)"
         elif probe_checkpoint(partial_url(req.root, c.tag), req.storage_options).state in ("committed", "legacy"):
             why = f"{partial_url(req.root, c.tag)} holds another checkpoint of that tag"
+        kept = (
+            "(abandoned: retention neither counts nor removes it)" if gone else "while among the num_kept_local newest"
+        )
         message = (
             f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier and its drain never committed (it "
             f"failed, or the job stopped while draining): this save drains it to {partial_url(req.root, c.tag)} again, in the "
             "background, once it is written"
             if not why
             else f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier {req.root} and is not there, "
-            f"but cannot be drained: {why}; the fast tier keeps it while among the num_kept_local newest (None: all)"
+            f"but cannot be drained: {why}; the fast tier keeps it {kept}"
         )
         # inside plan_tier_save's agreement (on_coordinator): a filter making warnings errors fails the save
         # on every rank alike, not rank 0's alone (rev59c F3)
@@ -461,7 +467,7 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
                     log.warning("could not remove the failed fast-tier save's folder %s: %s", tier.folder, exc)
         raise
     if nodes.is_leader:
-        retain_fast(tier, req.tag)
+        retain_fast(tier, req.tag, abandoned_of(manifest.extra))
     lap("retain")
     return prepared
 
@@ -496,19 +502,21 @@ def _commit_nodes(
         )
 
 
-def retain_fast(tier: TierPlan, just_saved: str | None) -> None:
+def retain_fast(tier: TierPlan, just_saved: str | None, abandoned: Ranges = ()) -> None:
     """(leaders) ``num_kept_local`` over this node's job folder, after a save (never the tag just saved) and
     after a drain (its tag no longer held), decided on ``tier``'s gathered listings (every node's) alike,
-    its own save counted complete. Kept: the newest complete saves, held tags, of the saves due for the
-    durable tier not yet drained only the one the next save drains again (this save when durable, else
-    ``tier.retry``) and those whose drain ran when this save was planned (``tier.running``), unsafe and
-    foreign folders, committed saves newer than the kept ones, and copies committed after the listings.
+    its own save counted complete (``abandoned``: its manifest's ranges). Kept: the newest complete saves of
+    the history, never counting nor removing one a newer save records as abandoned (as ``path``'s retention,
+    ``catalog._abandoned``: a roll-back, a job gone on by tag past a node's old disk: hunt72b), held tags, of
+    the saves due for the durable tier not yet drained only the one the next save drains again (this save
+    when durable, else ``tier.retry``) and those whose drain ran when this save was planned (``tier.running``),
+    unsafe and foreign folders, committed saves newer than the kept ones, and copies committed after the listings.
     Removed: older saves (a failed drain's with a warning naming it and the save drained instead), and
     uncommitted folders older than the newest commit here."""
     keep = tier.options.num_kept_local
     try:
         with tier.memory.lock:
-            removed = _retain(tier, keep, {t for t in (just_saved,) if t is not None} | tier.memory.held)
+            removed = _retain(tier, keep, {t for t in (just_saved,) if t is not None} | tier.memory.held, abandoned)
     except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
         log.warning("fast-tier retention in %s failed (nothing else affected): %s", tier.job, exc)
         return
@@ -516,15 +524,22 @@ def retain_fast(tier: TierPlan, just_saved: str | None) -> None:
         log.info("fast tier %s: kept %s checkpoint(s); removed %s", tier.job, keep, removed)
 
 
-def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
-    this = LocalCopy("committed", digest=0, seq=tier.seq, parts={}, durable=tier.durable)  # complete: committed
+def _retain(tier: TierPlan, keep: int | None, protected: set[str], abandoned: Ranges) -> list[str]:
+    this = LocalCopy("committed", digest=0, seq=tier.seq, parts={}, durable=tier.durable, abandoned=tuple(abandoned))
     tag = os.path.basename(tier.folder)[: -len("_partial")]
     views = [{**v, tag: this} for v in tier.views] or [{tag: this}]
     folder, durable_seq = tier.job, max(tier.durable_seq, tier.memory.durable or 0)
     found = candidates(views)
     if keep is None or not found:
         return []
-    complete = [c for c in found if c.complete]
+    ranges: set[tuple[int, int]] = set()  # newest first, as catalog._abandoned.split_lineage: kept, uncounted
+    gone: set[tuple[str, int]] = set()  # (a newer copy, complete or not: the worst a wrong inference does is keep)
+    for c in found:
+        if any(lo <= c.seq <= hi for lo, hi in ranges):
+            gone.add((c.tag, c.digest))
+        else:
+            ranges.update(p for p in c.abandoned if p[1] < c.seq)
+    complete = [c for c in found if c.complete and (c.tag, c.digest) not in gone]
     # of the saves whose drain did not commit, only the one the next save drains again (this save when
     # durable, else the one it drains again), those whose drain was running when this save was planned (it
     # may fail after: rev65b F1; not the newest failed one, which may be undrainable: rev65d F1) -- rank 0's
@@ -545,7 +560,7 @@ def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
     newest = max(((c.key, t) for t, c in mine.items() if c.committed), default=None)
     newest_mtime = os.stat(os.path.join(folder, partial_dirname(newest[1]), MANIFEST_NAME)).st_mtime if newest else None
     for tag, copy in mine.items():
-        if tag in kept or copy.state in ("unsafe", "foreign", "unreadable"):
+        if tag in kept or copy.state in ("unsafe", "foreign", "unreadable") or (tag, copy.digest) in gone:
             continue
         if tag in committed:
             if copy.digest not in {c.digest for c in found if c.tag == tag}:

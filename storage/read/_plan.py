@@ -209,7 +209,7 @@ def plan_reads(
     row-by-row box reads (``local`` files; rows at most ``row_gap`` apart share requests; elsewhere a
     strided slice whose widened span exceeds ``max_request_bytes``; everywhere, rows whose gaps cost less
     than a request, ``request_cost`` bytes, stream, :func:`streams`, in requests of at most that, and
-    rows farther apart take a request each, on object stores where a row's run can be read alone) and
+    rows farther apart take a request each: a verified untiled record's run widened to its blocks) and
     direct candidates (where ``direct``: reads can land in the destination), coalesce the rest per file,
     and mark the requests no neighbour continues (``scattered``)."""
     per_file: dict[str, list[Need[Item]]] = {}

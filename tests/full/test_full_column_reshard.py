@@ -450,6 +450,19 @@ def test_on_s3_rows_farther_apart_than_a_request_costs_take_a_get_each(
             sum(n for _, n in want),
             len(want),
         ), (case, stats)
+    # TP=3 rank 1 cuts two neighbouring tiles per row: verified, a row's two tiles come in one GET
+    # (RunFiles.holding; a GET per tile without it: 6, rev72d L1), 1 MiB a row
+    sizes = tuple(c.shape[1] for c in BIG.chunk(3, dim=1))
+    dest = {"big": torch.full_like(BIG.chunk(3, dim=1)[1], float("nan"))}
+    gets.clear()
+    reader = FsspecStorageReader("s3://smpckpt-full-reshard/ck", storage_options=opts, request_cost_bytes=16 * KiB)
+    planner = ParallelLoadPlanner(
+        ParallelLayout(tp=3), {"m.big": ShardSpec(1, sizes=sizes)}, rank=1, allow_partial_load=True
+    )
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load({"m": dest}, storage_reader=reader, planner=planner, no_dist=True)
+    assert torch.equal(dest["big"], BIG.chunk(3, dim=1)[1])
+    assert sorted((start, end - start) for _, start, end in gets) == rows(big0, big_row, 3, 512 * KiB, 1024 * KiB)
     # a flipped byte in big's row 2, rank 3's columns of TP=16 (the second tile): TP=16 rank 2 reads that
     # tile whole and refuses; unverified it loads its own columns bit-exact
     import fsspec

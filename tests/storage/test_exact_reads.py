@@ -445,6 +445,12 @@ def test_on_s3_an_untiled_verified_slice_with_wide_gaps_reads_each_rows_blocks(s
         stats = _s3_load(url, opts, dest, 3, 1, request_cost_bytes=16 << 10, verify_checksums=verify)
         assert torch.equal(dest["col_odd"], want), verify
         assert (stats.bytes_needed, stats.bytes_requested, stats.requests) == (12 * width, nbytes, 12), stats
+    # a request cost past the gaps between the widened runs (not the runs' own gaps): one request again (rev72d L2)
+    assert all(200_000 > row - (hi - lo) for lo, hi in widened) and 200_000 <= row - width
+    dest = {"col_odd": torch.full_like(want, float("nan"))}
+    stats = _s3_load(url, opts, dest, 3, 1, request_cost_bytes=200_000)
+    assert torch.equal(dest["col_odd"], want)
+    assert (stats.bytes_requested, stats.requests) == (widened[-1][1] - widened[0][0], 1), stats
     # row 5's run is widened back into rank 0's columns: a byte there is read, checked, never used
     lo5 = widened[5][0]
     assert lo5 + 10 < info.offset + 5 * row + width

@@ -26,7 +26,7 @@ from smpckpt.api._dist import DistContext
 from smpckpt.api._drain import (
     is_drained,
     node_records,
-    note_drained,
+    note_seen,
     path_down,
     read_drained,
     refuse_emptied,
@@ -358,9 +358,8 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
             return None
         _refuse(choice.refused, len(choice.fast))
         loaded = _load_durable(req, ctx, choice.durable, part)
-        if ctx.is_coordinator and not is_drained(read_drained(choice.job), choice.durable.tag, choice.durable.order[2]):
-            # (node 0's first rank) the job goes on from it: path holding it is no emptied path (rev68i F3)
-            note_drained(choice.job, choice.durable.tag, choice.durable.order[2])
+        if choice.nodes.is_leader:  # the job goes on from it (each node's record: rev72b H1)
+            note_seen(choice.job, (choice.durable.tag, choice.durable.order[2]))
         return loaded
     except CheckpointError as exc:
         loaded_in_place(exc, began)

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from smpckpt.catalog.root import ManifestCache
 
 __all__ = ["drain", "copiers", "holders_of", "JOB_DRAINED", "read_drained", "is_drained", "path_down", "note_drained"]
-__all__ += ["pending_drains", "due_record", "same_history", "node_records", "refuse_emptied", "by_ids", "note_seen"]
+__all__ += ["pending_drains", "due_record", "same_history", "refuse_emptied", "by_ids", "note_seen"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -165,11 +165,6 @@ def note_seen(job: str, seen: tuple[str, str] | None) -> None:
     resume finding only it in ``path`` is no emptied path (rev68i F3: refused as one, naming ``tag=``)."""
     if seen is not None and not is_drained(read_drained(job), *seen):
         note_drained(job, *seen)
-
-
-def node_records(ctx: DistContext, leader: bool, job: str) -> list[dict[str, str]]:
-    """(all ranks, one collective) Every node's :func:`read_drained` of its job folder ``job``, node 0's first."""
-    return [r for r in ctx.all_ok_values(lambda: read_drained(job) if leader else None) if r is not None]
 
 
 def by_ids(records: Sequence[Mapping[str, str]]) -> list[Mapping[str, str]]:

@@ -219,7 +219,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     started = time.monotonic()
     opts, memory = part.options, part.state
     local = opts.local_path
-    nodes, job, views = gather_views(
+    nodes, job, views, _ = gather_views(
         ctx, req.process_group, opts.replicas, local, req.root, req.storage_options, memory.warned
     )
 

@@ -344,8 +344,10 @@ def test_every_rank_gets_the_same_answer_on_two_nodes(s3_root: tuple[str, dict[s
             said,
         )
         assert "holds none of the saves this fast tier's job drained there (tags 'c2'; " in said, (rank, said)
-        # rev72b H1: node 0 replaced (empty local_path); w6, seen by t7's draw, is known to node 1's record
         fresh = r["fresh_node0"]
+        # rev72b L1: the drain records ride in the listings' gather: a tag-less resume gathers no more than tag=
+        assert fresh["gathers"]["tagless"] == fresh["gathers"]["tag"], (rank, fresh["gathers"])
+        # rev72b H1: node 0 replaced (empty local_path); w6, seen by t7's draw, is known to node 1's record
         assert fresh["path"] == ["newest", "w6_partial"], (rank, fresh)
         assert isinstance(fresh["got"], dict), (rank, fresh)
         assert (fresh["got"]["tag"], fresh["got"]["tier"], fresh["got"]["exact"]) == ("t7", "fast", True), (rank, fresh)

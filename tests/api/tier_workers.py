@@ -485,9 +485,33 @@ def fresh_node0_after_plain_saves(rank: int, base: str, durable: str) -> Any:
         save_checkpoint(durable, tag, model=model, options=fast if tag[0] != "w" else kept)
     wait_for_saves()
     dist.barrier()
+    gathers = {k: _gathers(durable, local, **kw) for k, kw in (("tagless", {}), ("tag", {"tag": "t7"}))}
+    dist.barrier()
     if rank == 0:
         shutil.rmtree(local)
         os.makedirs(local)
     dist.barrier()
     got = _resume_tagless(durable, local, model)
-    return {"got": got, "path": sorted(os.listdir(durable))}
+    return {"got": got, "path": sorted(os.listdir(durable)), "gathers": gathers}
+
+
+def _gathers(durable: str, local: str, **kw: Any) -> int:
+    """The ``all_gather_object`` calls of a tiered resume (rev72b L1: a tag-less one gathered the nodes' drain
+    records in one more, though the listings' gather reads each node's job folder already)."""
+    from torch import nn
+
+    from smpckpt import FastTier
+    from smpckpt.api._dist import DistContext
+
+    real, calls = DistContext.all_gather_object, []
+
+    def counted(self: Any, obj: Any) -> Any:
+        calls.append(obj)
+        return real(self, obj)
+
+    DistContext.all_gather_object = counted  # type: ignore[method-assign]
+    try:
+        resume_from_checkpoint(durable, model=nn.Linear(4, 4), options=FastTier(local_path=local), **kw)
+    finally:
+        DistContext.all_gather_object = real  # type: ignore[method-assign]
+    return len(calls)

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from smpckpt.catalog.root import ManifestCache
 
 __all__ = ["drain", "copiers", "holders_of", "JOB_DRAINED", "read_drained", "is_drained", "path_down", "note_drained"]
-__all__ += ["pending_drains", "due_record", "same_history", "node_records", "refuse_emptied"]
+__all__ += ["pending_drains", "due_record", "same_history", "refuse_emptied", "by_ids", "note_seen"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -157,9 +157,25 @@ def note_drained(job: str, tag: str, save_id: str) -> None:
         log.warning("could not record the drain of %r in %s: %s", tag, job, exc)
 
 
-def node_records(ctx: DistContext, leader: bool, job: str) -> list[dict[str, str]]:
-    """(all ranks, one collective) Every node's :func:`read_drained` of its job folder ``job``, node 0's first."""
-    return [r for r in ctx.all_ok_values(lambda: read_drained(job) if leader else None) if r is not None]
+def note_seen(job: str, seen: tuple[str, str] | None) -> None:
+    """(each node's first rank: every node's record counts, node 0's may be gone, rev72b H1) ``path``'s newest
+    committed checkpoint (tag, save id) the job saw (a save's draw read it, not read again: rev69e L4; or a resume
+    loaded it), recorded in the job folder as held there (:func:`note_drained`) unless it is: the job saw it
+    (another writer's of the root, its own plain ``overwrite=True`` save of a drained tag among them), so a
+    resume finding only it in ``path`` is no emptied path (rev68i F3: refused as one, naming ``tag=``)."""
+    if seen is not None and not is_drained(read_drained(job), *seen):
+        note_drained(job, *seen)
+
+
+def by_ids(records: Sequence[Mapping[str, str]]) -> list[Mapping[str, str]]:
+    """``records`` (each node's :func:`read_drained`) less what matches by tag name alone where a save id is known:
+    once a node records ids, a record without any (an older version's) is dropped, and a
+    tags-only entry of a tag another record names with its id (rev72b M1: node 1's older record matched a new
+    run's save of a drained tag name by name, and the old run's fast copy loaded over it silently)."""
+    known = {t for r in records for t, i in r.items() if i}
+    if not known:
+        return list(records)
+    return [{t: i for t, i in r.items() if i or t not in known} for r in records if any(r.values())]
 
 
 def refuse_emptied(
@@ -175,7 +191,9 @@ def refuse_emptied(
     the save recorded, not a new run's of the tag's name (``durable``: path's newest, tag and save id; tiers68 F2,
     rev68b F1: an emptied path, a new run's, resumed the old run's copies silently). Every node's record counts:
     node 0 back with its old disk records only drains path's retention removed since (hunt72b: node 0's record
-    alone refused a path holding the job's newest drain as emptied)."""
+    alone refused a path holding the job's newest drain as emptied). A tags-only record or entry (an older
+    version's) counts only where no record knows a save id (:func:`by_ids`)."""
+    records = by_ids(records)
     if not any(records) or (durable is not None and any(is_drained(r, *durable) for r in records)):
         return
     tags = list(dict.fromkeys(t for r in records for t in r))

@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 from smpckpt.api._dist import DistContext
 from smpckpt.api._drain import (
     is_drained,
-    node_records,
-    note_drained,
+    note_seen,
     path_down,
     read_drained,
     refuse_emptied,
@@ -119,7 +118,9 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
     """(all ranks) The candidates, newest first (module docstring)."""
     streams = part.groups.streams(ctx)
     local = part.options.local_path
-    nodes, job, views = gather_views(ctx, req.process_group, 1, local, req.root, req.storage_options, part.state.warned)
+    nodes, job, views, records = gather_views(
+        ctx, req.process_group, 1, local, req.root, req.storage_options, part.state.warned, read_drained
+    )
     found = candidates(views, req.tag)
     complete = [c for c in found if c.complete]
     if ctx.is_coordinator:
@@ -132,8 +133,6 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
                     c.tag,
                     ", ".join(c.missing[:5]),
                 )
-    # every node's record of its drains, alike on every rank (node 0's alone was stale: hunt72b)
-    records = node_records(ctx, nodes.is_leader, job) if req.tag is None and complete else []
 
     def durable_target() -> Target | None:
         try:
@@ -155,6 +154,7 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
             return None
         if req.tag is None and complete and (target is None or complete[0].order >= target.order):
             drained = (target.tag, target.order[2]) if target is not None else None
+            # every node's record of its drains, alike on every rank (node 0's alone was stale: hunt72b)
             refuse_emptied(req.root, req.storage_options, job, drained, complete[0].tag, records)
         return target
 
@@ -358,9 +358,8 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
             return None
         _refuse(choice.refused, len(choice.fast))
         loaded = _load_durable(req, ctx, choice.durable, part)
-        if ctx.is_coordinator and not is_drained(read_drained(choice.job), choice.durable.tag, choice.durable.order[2]):
-            # (node 0's first rank) the job goes on from it: path holding it is no emptied path (rev68i F3)
-            note_drained(choice.job, choice.durable.tag, choice.durable.order[2])
+        if choice.nodes.is_leader:  # the job goes on from it (each node's record: rev72b H1)
+            note_seen(choice.job, (choice.durable.tag, choice.durable.order[2]))
         return loaded
     except CheckpointError as exc:
         loaded_in_place(exc, began)

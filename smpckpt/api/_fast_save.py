@@ -22,7 +22,7 @@ from typing import Any
 
 from smpckpt.api._async import GlooGroups, Lane, commit_point, wait_logged
 from smpckpt.api._dist import DistContext, peer_failures
-from smpckpt.api._drain import drain, due_record, is_drained, note_drained, path_down, pending_drains, read_drained
+from smpckpt.api._drain import drain, due_record, is_drained, note_seen, path_down, pending_drains, read_drained
 from smpckpt.api._fast_resume import Loaded, choose_tier, lineage_for, load_tiered, runs_for
 from smpckpt.api._resume import ResumeRequest
 from smpckpt.api._save import SaveRequest, run_save
@@ -82,10 +82,10 @@ class FastTierPart:
         (``extra``); what the draw read in ``path`` is known to the job's later saves."""
         if not extra:
             return tier
-        if (found := self.counter.newest_read) is not None and not tier.offline:  # (rank 0) read by the draw
-            _note_newest(tier.job, found)
+        read: CheckpointRecord | None = None if tier.offline else self.counter.newest_read  # (rank 0) by the draw
+        seen = (read.tag, read.order[2]) if read is not None and read.committed else None
         self.state.saw_path(self.counter.read)  # not its own number when due: not in path yet (fix70f)
-        return dataclasses.replace(tier, path_seen=max(tier.path_seen, self.counter.read))
+        return dataclasses.replace(tier, path_seen=max(tier.path_seen, self.counter.read), newest_seen=seen)
 
     def save(self, req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> None:
         """(all ranks) The fast tiers, then (a durable save, or a retried one) the drain, on the drain lane."""
@@ -140,15 +140,6 @@ class FastTierPart:
 # -- the tiered save ---------------------------------------------------------------------------------------
 
 
-def _note_newest(job: str, found: CheckpointRecord) -> None:
-    """(rank 0: node 0's first rank) ``path``'s newest committed checkpoint, as the save's draw read it (not
-    read again: rev69e L4), recorded in the job folder as held there (``note_drained``) unless it is: the job
-    saw it (another writer's of the root, its own plain ``overwrite=True`` save of a drained tag among them), so
-    a resume finding only it in ``path`` is no emptied path (rev68i F3: refused as one, naming ``tag=``)."""
-    if found.committed and not is_drained(read_drained(job), found.tag, found.order[2]):
-        note_drained(job, found.tag, found.order[2])
-
-
 @dataclasses.dataclass(frozen=True)
 class PendingDrain:
     """A save due for the durable tier whose drain was killed or failed: drained again by the next save
@@ -190,6 +181,8 @@ class TierPlan:
     offline: bool = False
     #: (rank 0) its saves due for ``path`` numbered above ``path_seen``, with their save ids (``_drain.due_record``)
     due: tuple[tuple[int, str], ...] = ()
+    #: (rank 0's, every rank's once broadcast with the manifest) path's newest committed as its draw read it
+    newest_seen: tuple[str, str] | None = None
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -229,7 +222,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     started = time.monotonic()
     opts, memory = part.options, part.state
     local = opts.local_path
-    nodes, job, views = gather_views(
+    nodes, job, views, _ = gather_views(
         ctx, req.process_group, opts.replicas, local, req.root, req.storage_options, memory.warned
     )
 
@@ -437,7 +430,9 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
         finally:
             outcome = replicator.close() if replicator is not None else TransferOutcome()
             lap("replicas")  # what this rank still received after its own writes
-        prepared: PreparedCommit = gctx.broadcast_object(writer.prepared)
+        prepared, seen = gctx.broadcast_object(None if writer.prepared is None else (writer.prepared, tier.newest_seen))
+        if nodes.is_leader:  # every node's record (rev72b H1: node 0's alone, a replaced node 0 was refused)
+            note_seen(tier.job, seen)
         manifest = prepared.parsed()
         node = nodes.node_of(nodes.rank)
         share = [r for n in nodes.replica_nodes(node, tier.options.replicas) for r in nodes.ranks_of(n)]

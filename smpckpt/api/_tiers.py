@@ -252,12 +252,13 @@ def gather_views(
     root: str,
     storage_options: Any,
     warned: set[tuple[str, str]],
-) -> tuple[Nodes, str, list[dict[str, LocalCopy]]]:
+    record: Callable[[str], Any] | None = None,
+) -> tuple[Nodes, str, list[dict[str, LocalCopy]], list[Any]]:
     """(all ranks, three collectives; two on one node) The nodes (:func:`node_layout`), every node's folder
-    checked, and this job's listing of each gathered (by global rank: that rank's node's). Refused on every
-    rank before anything is written, naming the argument: ``local_path`` not a folder, not apart from
-    ``path``, different on ranks of one node, unwritable, or shared by two nodes; ``LOCAL_WORLD_SIZE``
-    differing between ranks."""
+    checked, this job's listing of each gathered (by global rank: that rank's node's), and every node's
+    ``record(job)``, node 0's first (rev72b L1: no collective more). Refused on every rank before anything is
+    written, naming the argument: ``local_path`` not a folder, not apart from ``path``, different on ranks of
+    one node, unwritable, or shared by two nodes; ``LOCAL_WORLD_SIZE`` differing between ranks."""
     key = durable_key(root, storage_options)
     job = job_folder(local, key)
     found: list[Nodes] = []
@@ -285,7 +286,7 @@ def gather_views(
     tokens = ctx.all_ok_values(lambda: _token(local) if nodes.is_leader and several else "") if several else [""]
     try:
 
-        def scan() -> dict[str, LocalCopy] | None:
+        def scan() -> tuple[dict[str, LocalCopy], Any] | None:
             if not nodes.is_leader:
                 return None
             mine = nodes.node_of(nodes.rank)
@@ -298,14 +299,14 @@ def gather_views(
                         "are one copy)"
                     )
             _job_folder_ready(local, job, key)
-            return scan_job(job, key)
+            return scan_job(job, key), record(job) if record is not None else None
 
         listed = ctx.all_ok_values(scan)
     finally:
         if several and tokens[ctx.rank]:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(local, tokens[ctx.rank]))
-    views = [listed[nodes.ranks_of(nodes.node_of(rank))[0]] or {} for rank in range(nodes.world_size)]
+    views = [(listed[nodes.ranks_of(nodes.node_of(rank))[0]] or ({}, None))[0] for rank in range(nodes.world_size)]
     for node in range(nodes.count):  # every rank alike: each skipped folder named once (``warned``)
         for tag, copy in sorted(views[nodes.ranks_of(node)[0]].items()):
             where = f"node {node}'s fast tier {got[nodes.ranks_of(node)[0]][0]}, folder {tag}_partial"
@@ -316,7 +317,7 @@ def gather_views(
             message = f"{where} is {copy.state} ({copy.detail}); {what}"
             log.warning(message)
             warnings.warn(message, stacklevel=1)
-    return nodes, job, views
+    return nodes, job, views, [x[1] for x in listed if x is not None]
 
 
 # -- what one node's folder holds of the job (its copies, judged), and what the nodes hold together --------

@@ -316,7 +316,9 @@ def test_every_rank_gets_the_same_answer_on_two_nodes(s3_root: tuple[str, dict[s
     unreachable the save goes on, resume() refuses and resume(tag=) loads, alike on every rank, no hang.
     hunt72b: node 0 back with its old disk, whose record names only a drain path's retention removed since,
     was refused as an emptied path (node 0's record alone decided) though path holds c4, a drain node 1's
-    record names: every node's record counts."""
+    record names: every node's record counts. rev72b: a record of tags only (an older version's) on node 1
+    matched a new run's c4 by name (M1); node 0 replaced by a fresh machine was refused, the drain record
+    of path's newest (seen, not drained) written on node 0 alone (H1)."""
     root, options = s3_root
     got = run_world(
         tier_workers.path_cases, 4, str(tmp_path / "fast"), str(tmp_path / "durable"), root, options, _down(options)
@@ -330,9 +332,25 @@ def test_every_rank_gets_the_same_answer_on_two_nodes(s3_root: tuple[str, dict[s
         assert r["resume_down"][0] == "error" and "'b2'" in r["resume_down"][1] and root in r["resume_down"][1]
     assert got[0]["save_down"][1] and got[0]["tag_down"][1]  # warned on rank 0, naming path
     for rank, r in enumerate(got):  # node 0 back with its old disk: its drain record (c2, gone) is stale
-        old = r["old_disk"]
+        old = r["old_disk"]["old_disk"]
         assert isinstance(old, dict), (rank, old)
         assert (old["tag"], old["tier"], old["exact"], old["path"]) == ("c4", "fast", True, ["c4_partial", "newest"])
+        # rev72b M1: node 1's older (tags-only) record does not match a new run's c4 by name
+        said = r["old_disk"]["tags_only_new_run"]
+        assert isinstance(said, str), (rank, said)
+        said = said.replace("rank 0 failed: ", "")
+        assert said == got[0]["old_disk"]["tags_only_new_run"] and said.startswith("CheckpointNotFound: path "), (
+            rank,
+            said,
+        )
+        assert "holds none of the saves this fast tier's job drained there (tags 'c2'; " in said, (rank, said)
+        fresh = r["fresh_node0"]
+        # rev72b L1: the drain records ride in the listings' gather: a tag-less resume gathers no more than tag=
+        assert fresh["gathers"]["tagless"] == fresh["gathers"]["tag"], (rank, fresh["gathers"])
+        # rev72b H1: node 0 replaced (empty local_path); w6, seen by t7's draw, is known to node 1's record
+        assert fresh["path"] == ["newest", "w6_partial"], (rank, fresh)
+        assert isinstance(fresh["got"], dict), (rank, fresh)
+        assert (fresh["got"]["tag"], fresh["got"]["tier"], fresh["got"]["exact"]) == ("t7", "fast", True), (rank, fresh)
 
 
 def test_a_due_save_pending_while_path_is_down_outlives_fast_tier_retention_and_drains(

@@ -397,6 +397,7 @@ def path_cases(rank: int, world: int, base: str, durable: str, s3: str, up: Any,
     )
     out["exact"] = all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), model.state_dict().values()))
     out["old_disk"] = node_back_with_an_old_drain_record(rank, base + "-old-disk", durable + "-old-disk")
+    out["fresh_node0"] = fresh_node0_after_plain_saves(rank, base + "-fresh", durable + "-fresh")
     return out
 
 
@@ -428,10 +429,89 @@ def node_back_with_an_old_drain_record(rank: int, base: str, durable: str) -> An
         shutil.rmtree(local)
         os.rename(old, local)  # node 0 back with its old disk (c1, c2 and the record of c2's drain)
     dist.barrier()
+    got = _resume_tagless(durable, local, model)
+    if isinstance(got, dict):
+        got["path"] = sorted(os.listdir(durable))
+    # rev72b M1: node 1's record an older version's (tags only); path emptied, a new run saves c2 and c4 there:
+    # node 0's record knows c2's save id, so node 1's tags-only names match nothing (the new run's c4 was loaded
+    # over by the old run's fast copy)
+    dist.barrier()
+    if rank == 2:
+        with open(os.path.join(job_dir(local, durable), "smpckpt.drained.json"), "w") as f:
+            f.write('{"drained": ["c4", "c2"]}')
+    if rank == 0:
+        shutil.rmtree(durable)
+    dist.barrier()
+    for tag in ("c2", "c4"):
+        save_checkpoint(durable, tag, model=nn.Linear(4, 4))
+    wait_for_saves()
+    dist.barrier()
+    return {"old_disk": got, "tags_only_new_run": _resume_tagless(durable, local, model)}
+
+
+def _resume_tagless(durable: str, local: str, model: Any) -> Any:
+    """A tag-less tiered resume: what it loaded (bit-exactly ``model``'s?), or its error."""
+    from torch import nn
+
+    from smpckpt import FastTier
+
     got = nn.Linear(4, 4)
     try:
         resume_from_checkpoint(durable, model=got, options=FastTier(local_path=local))
     except Exception as exc:  # noqa: BLE001 - the error is what the test checks
         return f"{type(exc).__name__}: {exc}"
     exact = all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), model.state_dict().values()))
-    return {**_info(), "exact": exact, "path": sorted(os.listdir(durable))}
+    return {**_info(), "exact": exact}
+
+
+def fresh_node0_after_plain_saves(rank: int, base: str, durable: str) -> Any:
+    """(test_tiers_path.py, rev72b H1) c1..c4 tiered (c3 drained); plain saves w5, w6 (path's retention 1
+    removes c3); t7 tiered, not due (its draw read w6: the job saw it, recorded as held in path). Node 0
+    replaced by a fresh machine (empty local_path): a tag-less resume loads t7 from node 1's copies (node 1's
+    record must know w6; rank 0 alone recorded it, and the resume refused path as emptied)."""
+    from torch import nn
+
+    from smpckpt import FastTier, Retention
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local = node_dir(base, rank)
+    kept = Retention(num_kept_partial_checkpoints=1)
+    fast = [FastTier(local_path=local, replicas=2, durable_every=3, num_kept_local=1), kept]
+    torch.manual_seed(2)
+    model = nn.Linear(4, 4)
+    for tag in ("c1", "c2", "c3", "c4", "w5", "w6", "t7"):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        save_checkpoint(durable, tag, model=model, options=fast if tag[0] != "w" else kept)
+    wait_for_saves()
+    dist.barrier()
+    gathers = {k: _gathers(durable, local, **kw) for k, kw in (("tagless", {}), ("tag", {"tag": "t7"}))}
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(local)
+        os.makedirs(local)
+    dist.barrier()
+    got = _resume_tagless(durable, local, model)
+    return {"got": got, "path": sorted(os.listdir(durable)), "gathers": gathers}
+
+
+def _gathers(durable: str, local: str, **kw: Any) -> int:
+    """The ``all_gather_object`` calls of a tiered resume (rev72b L1: a tag-less one gathered the nodes' drain
+    records in one more, though the listings' gather reads each node's job folder already)."""
+    from torch import nn
+
+    from smpckpt import FastTier
+    from smpckpt.api._dist import DistContext
+
+    real, calls = DistContext.all_gather_object, []
+
+    def counted(self: Any, obj: Any) -> Any:
+        calls.append(obj)
+        return real(self, obj)
+
+    DistContext.all_gather_object = counted  # type: ignore[method-assign]
+    try:
+        resume_from_checkpoint(durable, model=nn.Linear(4, 4), options=FastTier(local_path=local), **kw)
+    finally:
+        DistContext.all_gather_object = real  # type: ignore[method-assign]
+    return len(calls)

@@ -63,6 +63,10 @@ def translate(exc: BaseException, path: str) -> BaseException:
         from s3fs.errors import translate_boto_error
 
         return _named(translate_boto_error(exc), path, cause=exc)
+    if isinstance(exc, TimeoutError) and exc.filename is None and path and type(exc).__module__ != "builtins":
+        # fsspec's FSTimeoutError (a GET stalled mid-body past s3fs's retries) says nothing, not even the key
+        said = f": {exc}" if str(exc) else ""
+        return _named(TimeoutError(f"timed out ({type(exc).__name__}{said}; transient: retry)"), path, cause=exc)
     if isinstance(exc, OSError):
         known = exc.errno is not None or type(exc) in _ERRNO  # s3fs's AccessDenied, ExpiredToken, 412: no errno
         if exc.filename is None and known and path and type(exc).__module__ == "builtins":

@@ -69,7 +69,8 @@ def test_a_box_past_the_span_limit_streamed_from_s3_is_checked(
     tmp_path: Any, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, damage: str
 ) -> None:
     """A box larger than a span streams its GET body straight into the destination (no ``bytes`` copy):
-    a flipped byte is still found by its check unit, and an object cut short by the byte count."""
+    a flipped byte is still found by its check unit, and an object cut short by the byte count. A guard:
+    only ``[truncate]``'s words come from the streamed path (one GET held on the old path too)."""
     from s3_env import serve_full_artifact
 
     from smpckpt import resume_from_checkpoint, save_checkpoint

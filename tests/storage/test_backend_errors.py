@@ -60,6 +60,18 @@ def test_s3fs_translations_without_an_errno_are_named(s3fs_style: OSError, num: 
     assert got.strerror == str(s3fs_style) and got.__cause__ is s3fs_style
 
 
+def test_a_stalled_get_s_timeout_names_the_file() -> None:
+    """fsspec's ``FSTimeoutError`` (a GET stalled mid-body, past s3fs's retries) carries no message and no key: a
+    resume failed with a bare ``FSTimeoutError: `` (rev72h L1). Named now, said to be transient."""
+    from fsspec.exceptions import FSTimeoutError
+
+    exc = FSTimeoutError()
+    got = translate(exc, "bkt/ck/model.safetensors")
+    assert type(got) is TimeoutError and got.errno == errno.ETIMEDOUT, repr(got)
+    assert got.filename == "bkt/ck/model.safetensors" and got.__cause__ is exc
+    assert got.strerror == "timed out (FSTimeoutError; transient: retry)", got.strerror
+
+
 def test_ours_and_named_errors_and_others_pass_untouched() -> None:
     for exc in (CheckpointCorrupt("x"), FileNotFoundError(errno.ENOENT, "gone", "/a"), ValueError("v")):
         assert translate(exc, "/b") is exc

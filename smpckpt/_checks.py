@@ -4,6 +4,7 @@ runs -- never a truthy string taken for ``True`` or a negative count failing dee
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 __all__ = ["check_flag", "check_int", "check_process_group", "refuse_unflattenable"]
@@ -55,96 +56,93 @@ def refuse_unflattenable(model: Any, optimizers: Sequence[Any]) -> None:
     import torch
 
     kinds = (torch.Tensor, int, float)
-    prone: list[Any] = []  # the walk saw a dotted state name or nested state
     for i, opt in enumerate(optimizers):
-        if _first_odd(opt.state, kinds, 0, prone) is None:  # the common case: no state_dict() built twice
-            continue
-        prone.append(None)  # the walk stopped early: its state_dict() may still hold any state
-        odd = _first_odd(opt.state_dict()["state"], kinds, 0)
-        if odd is not None:
-            (index, *key), value = odd  # state_dict() keys state by the parameter's index in its groups
-            p = dict(enumerate(q for group in opt.param_groups for q in group["params"])).get(index)
-            name, at = next((n for n, q in model.named_parameters() if q is p), index), ".".join(map(str, key))
-            if isinstance(value, _BadKey):
-                raise ValueError(
-                    f"optimizer {i} ({type(opt).__name__}) holds a dict under state key {at!r} of parameter "
-                    f"{name!r} with the inner key {value.key!r}: torch.distributed.checkpoint joins nested optimizer "
-                    "state keys with '.' and splits them again at the load, so it would come back restructured; "
-                    "use str inner keys without '.', or leave the optimizer out of optimizer= and put its "
-                    "state_dict() in user_content"
+        nested: list[Any] = []  # each parameter's state the walk saw nested state in
+        walked = opt.state
+        if _first_odd(walked, kinds, 0, nested) is not None:  # rare: no state_dict() built in the common case
+            walked, nested = opt.state_dict()["state"], []  # what DCP flattens, keyed by the parameter's index
+            odd = _first_odd(walked, kinds, 0, nested)
+            if odd is not None:
+                (index, *key), value = odd
+                name, at = _param_name(model, opt, walked, index), ".".join(map(str, key))
+                if isinstance(value, _BadKey):
+                    raise ValueError(
+                        f"optimizer {i} ({type(opt).__name__}) holds a dict under state key {at!r} of parameter "
+                        f"{name!r} with the inner key {value.key!r}: torch.distributed.checkpoint joins nested "
+                        "optimizer state keys with '.' and splits them again at the load, so it would come back "
+                        "restructured; use str inner keys without '.', or leave the optimizer out of optimizer= "
+                        "and put its state_dict() in user_content"
+                    )
+                raise TypeError(
+                    f"optimizer {i} ({type(opt).__name__}) holds a {type(value).__name__} under state key {at!r} "
+                    f"of parameter {name!r}: torch.distributed.checkpoint keeps only tensor, int, float and dict "
+                    "optimizer state; leave it out of optimizer= and put its state_dict() in user_content"
                 )
-            raise TypeError(
-                f"optimizer {i} ({type(opt).__name__}) holds a {type(value).__name__} under state key {at!r} of "
-                f"parameter {name!r}: torch.distributed.checkpoint keeps only tensor, int, float and dict optimizer "
-                "state; leave it out of optimizer= and put its state_dict() in user_content"
-            )
-    if prone:
-        _refuse_clashing(model, optimizers)
+        if nested and _odd_names(nested):
+            _refuse_clashing(model, i, opt, walked, nested)
 
 
-def _refuse_clashing(model: Any, optimizers: Sequence[Any]) -> None:
-    """Two state values DCP's flattening makes one key (``state.<fqn>.<path joined by '.'>``): a dotted state name
-    beside nested state (``{"b.c": t, "b": {"c": u}}``; or a parameter ``a``'s ``b.c`` and a parameter ``a.b``'s
-    ``c``), one written over the other; or a key under a nested state's (``{"nest": {...}, "nest.w": t}``), which
-    the load reads back into that nested state. Only a dotted state name or nested state can: called only then."""
-    from torch.distributed.checkpoint.state_dict import _get_fqns
-
-    names: dict[int, str] = {}  # DCP's name of each parameter: a tied one's first (named_parameters dedups)
-    for name, p in model.named_parameters():
-        fqns = _get_fqns(model, name)
-        if len(fqns) == 1:  # FSDP1's flat parameters: DCP names their state itself
-            names.setdefault(id(p), next(iter(fqns)))
-    # what DCP flattens: state_dict()'s state, keyed by the parameter's index in the groups
-    states: list[tuple[str, Mapping[Any, Any], int]] = []
-    for i, opt in enumerate(optimizers):
-        params = [q for group in opt.param_groups for q in group["params"]]
-        for index, st in opt.state_dict()["state"].items():
-            p = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
-            if p is not None and id(p) in names and isinstance(st, Mapping):
-                states.append((names[id(p)], st, i))
-    clash = flat_state_clash(states)
-    if clash is None:
-        return
-    key, (fqn, path, i), (fqn2, path2, i2), nested = clash
-    cls = [type(optimizers[j]).__name__ for j in (i, i2)]
-    one = f"optimizer {i} ({cls[0]}) holds state {_show_path(path)} of parameter {fqn!r}"
-    other = f"optimizer {i2} ({cls[1]}) holds " if i2 != i else ""
-    two = f"{other}state {_show_path(path2)} of parameter {fqn2!r}"
-    if nested:
-        how = f"the load reads every key under 'optim.state.{key}.' back into the nested state, so the first would "
-        how += "come back inside the second"
-    else:
-        how = f"torch.distributed.checkpoint flattens both to the key 'optim.state.{key}', so one would be saved "
-        how += "over the other"
-    raise ValueError(
-        f"{one} and {two}: {how}; rename one of those state keys, or leave the optimizer out of optimizer= and "
-        "put its state_dict() in user_content"
-    )
+def _odd_names(states: list[Any]) -> bool:
+    """Some of ``states`` holds a name not a ``str`` or with a ``.`` (one join over all their names, in C)."""
+    try:
+        return "." in "".join(chain.from_iterable(states))
+    except TypeError:
+        return True
 
 
-def flat_state_clash(
-    states: Sequence[tuple[str, Mapping[Any, Any], int]],
-) -> tuple[str, tuple[str, tuple[Any, ...], int], tuple[str, tuple[Any, ...], int], bool] | None:
-    """The first clash among ``states`` ((parameter name, its optimizer state, optimizer index) each) once
-    flattened as DCP does: ``(key, first value's (name, path, index), second's, nested)``; ``nested``: the first
-    value's flat key is, or lies under, ``key``, the flat key of the second, a nested state of another name
-    (its load gathers every key under it). ``None``: none."""
-    leaves: dict[str, tuple[str, tuple[Any, ...], int]] = {}
-    roots: dict[str, tuple[str, tuple[Any, ...], int]] = {}  # a nested state's flat key -> (name, (its state name,), i)
-    for fqn, st, i in states:
-        for path in _paths(st, ()):
-            key = ".".join((fqn, *map(str, path)))
-            if key in leaves:
-                return key, leaves[key], (fqn, path, i), False
-            leaves[key] = (fqn, path, i)
-        roots.update({f"{fqn}.{name}": (fqn, (name,), i) for name, v in st.items() if isinstance(v, dict)})
-    if roots:
-        for key, (fqn, path, i) in leaves.items():
-            parts = key.split(".")
-            for n in range(1, len(parts) + 1):
-                root = roots.get(".".join(parts[:n]))
-                if root is not None and (root[0], root[1][0]) != (fqn, path[0]):
-                    return ".".join(parts[:n]), (fqn, path, i), root, True
+def _refuse_clashing(model: Any, i: int, opt: Any, walked: Mapping[Any, Any], nested: list[Any]) -> None:
+    """Two state values of one parameter DCP's flattening makes one key (``state.<fqn>.<path joined by '.'>``): a
+    dotted state name beside nested state (``{"b.c": t, "b": {"c": u}}``), one written over the other; or a key
+    under a nested state's (``{"nest": {...}, "nest.w": t}``), which the load reads back into that nested state.
+    ``nested``: the states of ``walked`` holding nested state, which any clash needs, beside a name not a ``str``
+    or with a ``.`` (inner keys are dot-free ``str``s, else refused). Across parameters none can be: no two names
+    of a module tree's parameters are one the other's dotted prefix, and no parameter is in two optimizers."""
+    for st in {id(st): st for st in nested}.values():
+        clash = state_clash(st)
+        if clash is None:
+            continue
+        key, path, path2, inside = clash
+        index = next(k for k, v in walked.items() if v is st)
+        fqn = _param_name(model, opt, walked, index, dcp=True)
+        one = f"optimizer {i} ({type(opt).__name__}) holds state {_show_path(path)} of parameter {fqn!r}"
+        two = f"state {_show_path(path2)} of parameter {fqn!r}"
+        if inside:
+            how = f"the load reads every key under 'optim.state.{fqn}.{key}.' back into the nested state, so the "
+            how += "first would come back inside the second"
+        else:
+            how = f"torch.distributed.checkpoint flattens both to the key 'optim.state.{fqn}.{key}', so one would "
+            how += "be saved over the other"
+        raise ValueError(
+            f"{one} and {two}: {how}; rename one of those state keys, or leave the optimizer out of optimizer= and "
+            "put its state_dict() in user_content"
+        )
+
+
+def state_clash(st: Mapping[Any, Any]) -> tuple[str, tuple[Any, ...], tuple[Any, ...], bool] | None:
+    """The first clash in one parameter's optimizer state ``st`` once flattened as DCP does (its path's keys
+    joined by ``.``): ``(key, first value's path, second's, nested)``, ``key`` relative to the parameter;
+    ``nested``: the first value's flat key is, or lies under, ``key``, the flat key of the second, a nested state of
+    another name (its load gathers every key under it). ``None``: none."""
+    roots = {str(name): name for name, v in st.items() if isinstance(v, dict)}
+    names = [str(name) for name in st]
+    if len(set(names)) == len(names) and not any(
+        ".".join(parts[:n]) in roots
+        for parts in (s.split(".") for s in names if "." in s)
+        for n in range(1, len(parts))
+    ):
+        return None  # (a clash needs two names of one str, or one's dotted prefix a nested state's name)
+    leaves: dict[str, tuple[Any, ...]] = {}
+    for path in _paths(st, ()):
+        key = ".".join(map(str, path))
+        if key in leaves:
+            return key, leaves[key], path, False
+        leaves[key] = path
+    for key, path in leaves.items():
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            root = roots.get(".".join(parts[:n]))
+            if root is not None and root is not path[0]:
+                return ".".join(parts[:n]), path, (root,), True
     return None
 
 
@@ -169,27 +167,38 @@ class _BadKey:
 
 
 def _first_odd(
-    tree: Mapping[Any, Any], kinds: tuple[type, ...], depth: int, prone: list[Any] | None = None
+    tree: Mapping[Any, Any], kinds: tuple[type, ...], depth: int, nested: list[Any]
 ) -> tuple[list[Any], Any] | None:
     """The keys down to the first value of nested dicts that is none of ``kinds``, and that value; or down to
     the dict holding the first key below a state name (``depth`` 2 on: ``state[param][name][key]``) that is
-    not a ``str`` without ``.``, and that key as a :class:`_BadKey`. ``prone``: gets each state name (``depth``
-    1) that holds a ``.`` or nested state, on the way (in one walk: it costs a large model's save little)."""
+    not a ``str`` without ``.``, and that key as a :class:`_BadKey`. ``nested``: gets each parameter's state
+    (``depth`` 1) holding nested state, once for each nested state in it, on the way (noted in the dict branch
+    alone: plain state such as Adam's costs no more than before, nested state one append)."""
     for key, value in tree.items():
         if depth >= 2 and not (isinstance(key, str) and "." not in key):
             return [], _BadKey(key)
-        if prone is not None and depth == 1 and (isinstance(value, dict) or (isinstance(key, str) and "." in key)):
-            prone.append(key)
-        found = (
-            _first_odd(value, kinds, depth + 1, prone)
-            if isinstance(value, dict)
-            else None
-            if isinstance(value, kinds)
-            else ([], value)
-        )
+        if isinstance(value, dict):
+            if depth == 1:
+                nested.append(tree)
+            found = _first_odd(value, kinds, depth + 1, nested)
+        else:
+            found = None if isinstance(value, kinds) else ([], value)
         if found is not None:
             return [key, *found[0]], found[1]
     return None
+
+
+def _param_name(model: Any, opt: Any, walked: Mapping[Any, Any], key: Any, dcp: bool = False) -> Any:
+    """The name of the parameter whose state ``walked`` keys by ``key`` (``opt.state``: the parameter;
+    ``state_dict()["state"]``: its index in the groups); ``dcp``: as DCP names its state (one, else as is)."""
+    p = key if walked is opt.state else dict(enumerate(q for g in opt.param_groups for q in g["params"])).get(key)
+    name = next((n for n, q in model.named_parameters() if q is p), key)
+    if dcp and isinstance(name, str):
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        fqns = _get_fqns(model, name)
+        name = next(iter(fqns)) if len(fqns) == 1 else name  # FSDP1's flat parameters: DCP names them itself
+    return name
 
 
 #: the suffix of partial checkpoint folders: no tag may end in it

@@ -66,14 +66,15 @@ from smpckpt.api.options import (
 from smpckpt.catalog.root import SequenceCounter, partial_url, validate_tag
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.layout import KeyMapper, ParallelLayout
-from smpckpt.storage.backends._fs import folder_key, options_now, same_folder
+from smpckpt.storage.backends._fs import folder_key, options_now
 
 __all__ = ["Checkpointer", "last_resume_info", "ResumeInfo"]
 
 log = logging.getLogger("smpckpt.api")  # one logger for the API, whichever module logs
 
 # Per thread (and per asyncio task): concurrent resumes in one process never see each other's report.
-_last_resume: contextvars.ContextVar[ResumeInfo | None] = contextvars.ContextVar("smpckpt_last_resume", default=None)
+# With the root's folder key at the resume: a link re-pointed since moves no resume to its new folder (rev72a M1).
+_last_resume: contextvars.ContextVar[tuple[ResumeInfo, str] | None] = contextvars.ContextVar("smpckpt_last_resume")
 # the resume this thread is inside: a save from a signal handler run meanwhile (SIGTERM, preemption) would
 # commit half-loaded state as newest (hunt66d), so it is refused
 _resuming: contextvars.ContextVar[str] = contextvars.ContextVar("smpckpt_resuming", default="")
@@ -100,7 +101,8 @@ def _refuse_while_resuming(action: str) -> None:
 
 def last_resume_info() -> ResumeInfo | None:
     """The :class:`ResumeInfo` of the last successful partial resume in this thread (any Checkpointer's)."""
-    return _last_resume.get()
+    last = _last_resume.get(None)
+    return last[0] if last is not None else None
 
 
 class Checkpointer:
@@ -152,12 +154,9 @@ class Checkpointer:
             **self.async_options.compared(),
         }
         self._counter = SequenceCounter(location.path, location.storage_options)
-        #: the root as one string whatever its spelling ('/x', '/x/', 'file:///x', a link to it): other
-        #: Checkpointers of the same root finish their background work before this one saves
-        try:
-            self._root_key = folder_key(location.path, location.storage_options)
-        except (OSError, ValueError):  # refused by name where the location is first used
-            self._root_key = str(location.path).rstrip("/")
+        #: the root as one string whatever its spelling ('/x', '/x/', 'file:///x', a link to it, resolved again at
+        #: each call: rev72a M2): other Checkpointers of the same root finish their background work before it saves
+        self._root_key = self._folder()
         self._planners = PlannerCache()
         self._stager, self._gate = Stager(), StagingGate()
         self._save_lane = Lane("save", "the background save", self)
@@ -169,6 +168,13 @@ class Checkpointer:
         self.last_resume_info: ResumeInfo | None = None  #: this Checkpointer's last partial resume
         # dropped without close(): its lanes end once their work is done, its staging gate leaves the step hook
         weakref.finalize(self, _release, (self._save_lane, self._drain_lane), self._gate)
+
+    def _folder(self) -> str:
+        """The root's key now (storage.backends._fs.folder_key): a link made or re-pointed since names its folder."""
+        try:
+            return folder_key(self.location.path, self.location.storage_options)
+        except (OSError, ValueError):  # refused by name where the location is first used
+            return str(self.location.path).rstrip("/")
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.location.path!r}, {self.layout})"
@@ -345,8 +351,9 @@ class Checkpointer:
                 self._groups.join(ctx, self.sharding.join_timeout, action)
             common, opts = ctx.agreed(check, what)
             self._counter.storage_options = common.storage_options  # a save's number read with its options
-            last = _last_resume.get()  # this thread's: a per-save Checkpointer (export too) goes on from it (rev69i 4)
-            self._counter.hint = last.tag if last is not None and same_folder(last.path, self._root_key) else ""
+            self._root_key = root = self._folder()  # where a link points now (re-pointed since: another folder)
+            last = _last_resume.get(None)  # this thread's: a per-save Checkpointer (export too) goes on from it
+            self._counter.hint = last[0].tag if last is not None and last[1] == root else ""  # (rev69i 4)
             if self.sharding.join_timeout is not None:  # every rank is here: the group later saves meet on
                 self._groups.get(ctx, "join", self.sharding.join_timeout)
             if tag is not None or cls is not ResumeOptions:
@@ -521,7 +528,7 @@ class Checkpointer:
                     peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)
                     info = dataclasses.replace(info, tier="fast", from_peers=peers)
                 self.last_resume_info = info
-                _last_resume.set(info)
+                _last_resume.set((info, self._root_key))
                 return user_content
 
     def _export(

@@ -77,7 +77,7 @@ class Location(_Options):
 
     path: str
     """The checkpoint root: a local path (or ``os.PathLike``) or any URL the storage supports
-    (``s3://bucket/run``), smp's folder layout under it. A local path (or ``file://`` URL) is made
+    (``s3://bucket/run``), smp's folder layout under it. A local path (or ``file://``, ``local://`` URL) is made
     absolute, ``~`` expanded, when the Location is built (a later ``os.chdir`` moves no checkpoint)."""
 
     storage_options: Mapping[str, Any] | None = _opt(None, same=False)
@@ -163,9 +163,10 @@ class Sharding(_Options):
 
 
 def _absolute_local(path: str) -> str:
-    """``path`` made absolute (``~`` expanded, as fsspec does) when local or a ``file://`` URL."""
-    if path.startswith("file://"):
-        return "file://" + os.path.abspath(os.path.expanduser(path[len("file://") :]))
+    """``path`` made absolute (``~`` expanded, as fsspec does) when local or a ``file://`` or ``local://`` URL."""
+    for scheme in ("file://", "local://"):  # fsspec's two names of local disk (rev72a M3: local:// was left)
+        if path.startswith(scheme):
+            return scheme + os.path.abspath(os.path.expanduser(path[len(scheme) :]))
     if "://" in path or "::" in path:  # a URL, or an fsspec chain (``simplecache::s3://...``)
         return path
     return os.path.abspath(os.path.expanduser(path))

@@ -232,20 +232,14 @@ def location_key(url: str | os.PathLike[str], storage_options: Mapping[str, Any]
 
 
 def folder_key(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> str:
-    """:func:`location_key` with a local path's links resolved (``os.path.realpath``): one string per folder however
-    this process reaches it (a mount point linked into a home). For comparisons inside one process only: another node
-    may link other ways, so what ranks compare or a copy records stays :func:`location_key`'s."""
+    """:func:`location_key` with a local path's symbolic links resolved now (``os.path.realpath``): one string per
+    folder however this process reaches it (a mount point linked into a home); a link re-pointed later gives
+    another, so callers resolve again when a call starts. Not covered: one folder reached through two mounts (a bind
+    mount, NFS mounted twice), which only a ``stat`` of an existing folder could tell. For comparisons inside one
+    process only: another node may link other ways, so what ranks compare or a copy records stays
+    :func:`location_key`'s."""
     fs, path = open_fs(url, storage_options)
     return f"{_protocol(fs)}://{os.path.realpath(path)}" if is_local(fs) else location_key(url, storage_options)
-
-
-def same_folder(url: str | os.PathLike[str], key: str) -> bool:
-    """Whether ``url`` (a root as another call spelled it) is the folder :func:`folder_key` gave ``key`` for;
-    ``False`` where ``url`` cannot be opened."""
-    try:
-        return folder_key(url) == key
-    except (OSError, ValueError, ImportError):
-        return False
 
 
 def is_local(fs: Any) -> bool:

@@ -82,12 +82,14 @@ def _resumed(root: str, tag: str) -> dict[str, torch.Tensor]:
 
 
 # -- the root -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spelled", ["ck", "local://ck"])
 def test_a_relative_root_stays_where_the_checkpointer_was_built_after_a_chdir(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, spelled: str
 ) -> None:
     """A relative root is resolved once, when the Checkpointer is built: a chdir between saves (or between
     an async save's return and its background write) put the later checkpoints under another root, where
-    a tag-less resume of the first never saw them (it loaded the older save, silently)."""
+    a tag-less resume of the first never saw them (it loaded the older save, silently). ``local://ck``
+    (fsspec's other name for local disk) was left relative (rev72a M3)."""
     import smpckpt.api.checkpointer as checkpointer_module
 
     first, second = tmp_path / "a", tmp_path / "b"
@@ -95,7 +97,7 @@ def test_a_relative_root_stays_where_the_checkpointer_was_built_after_a_chdir(
     second.mkdir()
     monkeypatch.chdir(first)
     model = nn.Linear(2, 2)
-    ckpt = Checkpointer("ck", async_options=AsyncOptions(enabled=True))
+    ckpt = Checkpointer(spelled, async_options=AsyncOptions(enabled=True))
     writing = threading.Event()
     write = checkpointer_module.write_checkpoint
 
@@ -135,6 +137,8 @@ def test_a_fast_tier_under_home_is_in_home(tmp_path: Any, monkeypatch: pytest.Mo
     assert FastTier(local_path="~/fast").local_path == str(tmp_path / "home" / "fast")
     assert smpckpt.Location("~/ck").path == str(tmp_path / "home" / "ck")
     assert smpckpt.Location("file://ck").path == "file://" + str(tmp_path / "ck")
+    assert smpckpt.Location("local://ck").path == "local://" + str(tmp_path / "ck")
+    assert smpckpt.Location("local://~/ck").path == "local://" + str(tmp_path / "home" / "ck")
     assert smpckpt.Location("s3://bucket/ck").path == "s3://bucket/ck"
 
 
@@ -594,16 +598,24 @@ def test_two_models_saving_into_one_root_number_their_saves_after_each_other(tmp
     assert torch.equal(got.weight, a.weight)
 
 
-def test_checkpointers_of_one_root_spelled_through_a_link_finish_each_others_saves_first(tmp_path: Any) -> None:
+@pytest.mark.parametrize("linked", ["before", "after-the-checkpointer-is-built"])
+def test_checkpointers_of_one_root_spelled_through_a_link_finish_each_others_saves_first(
+    tmp_path: Any, linked: str
+) -> None:
     """Two Checkpointers of one root, one given it through a symbolic link (a mount point linked into a home):
     the root's key followed only '/x', '/x/', 'file:///x', so the later save neither waited for the background save
     in flight nor numbered after it: both drew one sequence number, 'newest' named the one committed last and a
-    tag-less resume fell back past it with a warning that the job had stopped (hunt72a)."""
+    tag-less resume fell back past it with a warning that the job had stopped (hunt72a). after-the-checkpointer-is-
+    built (rev72a M2, L1): the link was made (or re-pointed) after the Checkpointer was built: its key, resolved
+    once at the build, stayed the path's own; now it is resolved again at each save."""
     root, link = tmp_path / "run", tmp_path / "linked"
     root.mkdir()
-    link.symlink_to(root)
+    if linked == "before":
+        link.symlink_to(root)
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     with Checkpointer(str(root), async_options=AsyncOptions(enabled=True)) as x, Checkpointer(str(link)) as y:
+        if linked != "before":
+            link.symlink_to(root)
         real = x._write
         x._write = lambda *args: (time.sleep(1.0), real(*args))[1]  # a big model's background write
         fut = x.save("x1", a)

@@ -211,6 +211,43 @@ def test_a_per_save_checkpointer_goes_on_from_a_resume_through_another_spelling_
     assert not [r for r in caplog.records if "resumed none" in r.getMessage()]
 
 
+@pytest.mark.parametrize("resumed", ["through-the-link", "before-the-link-is-built-on"])
+def test_a_resume_goes_on_in_the_folder_it_resumed_not_where_a_link_points_later(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any, resumed: str
+) -> None:
+    """rev72a M1, M2: run1 and run2 each hold another job's a1 (step-named tags); 'current' links to run1; this job
+    resumes run1's a1, 'current' is re-pointed to run2, then a Checkpointer keeping 1 saves b1 into run2. It must not
+    go on from the a1 it resumed (that was run1's): run2's a1 is another job's, kept as abandoned with a warning.
+    through-the-link (M1): the resume was through 'current', matched by resolving ResumeInfo.path at the save, when
+    it named run2. before-the-link-is-built-on (M2): a Checkpointer built on 'current' while it named run1 kept that
+    key and saved into run2 going on from run1's resume. Before, both removed the other job's a1 from run2."""
+    run1, run2, link = tmp_path / "run1", tmp_path / "run2", tmp_path / "current"
+    run1.mkdir()
+    run2.mkdir()
+    link.symlink_to(run1)
+    job = ["B"]
+    monkeypatch.setattr(save_module, "job_token", lambda: job[0])
+    m, o = model()
+    for root in (run1, run2):
+        with Checkpointer(str(root)) as theirs:
+            theirs.save("a1", m, o)
+    job[0] = "A"  # this job from here on
+    keep1 = Retention(num_kept_partial_checkpoints=1)
+    early = Checkpointer(str(link), retention=keep1) if resumed == "before-the-link-is-built-on" else None
+    with Checkpointer(str(link) if early is None else str(run1)) as first:
+        first.resume(model=m, optimizer=o)
+    assert last_resume_info().tag == "a1"
+    link.unlink()
+    link.symlink_to(run2)
+    caplog.set_level(logging.WARNING)
+    with Checkpointer(str(run2), retention=keep1) if early is None else early as each:
+        each.save("b1", m, o)
+    assert _committed(str(run2)) == ["a1", "b1"]  # before: ["b1"]
+    assert _committed(str(run1)) == ["a1"]
+    warned = [r.getMessage() for r in caplog.records if "resumed none" in r.getMessage()]
+    assert len(warned) == 1 and "another job or run (the newest 'a1', sequence 1)" in warned[0], warned
+
+
 def test_an_export_between_saves_does_not_hide_the_other_job(tmp_path: Any) -> None:
     """rev69c 2: A saves s1, B saves t1, A exports, then saves s2. Before: the export's draw marked t1 seen, s2
     was not refused and A's retention (keeping 1) removed B's t1. Now s2 is refused naming t1; nothing removed."""

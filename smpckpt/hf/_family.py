@@ -110,8 +110,10 @@ def _judge(
     it asks are ours; fused rules name a family surest, either side: GPT-2's renamed mlp.c_fc is GPT-Neo's own key);
     with no family's, the words of a note for the strict refusal. ``""`` (missing as any key is): no key a rule makes
     (a new head, a stage's cut); the translation taking the names as ours; no key the rank does not ask for; renamed
-    keys simply absent (rev71c3 L1): the keys the rank finds are that family's names too (the model is in them) and
-    nothing of the artifact lies in the layer (outside layers, the module) of a renamed key or of its sources."""
+    keys simply absent (rev71c3 L1): the rank finds some of its keys, among them that family's names (the model is in
+    them; or none is any family's and no missing key lies in a layer: a last stage of ln_f and its head), and nothing
+    of the artifact lies in the layer (outside layers, the module; a dotless key, itself) of a renamed key, of its
+    sources or of a missing key another family's rules take (GPT-Neo's q_proj beside GPT-2's shared mlp.c_fc)."""
     ours = [k for k in missing if k.startswith(prefix)]
     made = {k: r for k in (k[len(prefix) :] for k in ours) if (r := translation.rule_of(k, {k: ()}, "ours"))}
     if not made:
@@ -124,10 +126,15 @@ def _judge(
     hits = _others(translation, unasked, ("artifact", "ours"))
     score = {n: (sum(f for f, _, _ in h), len(h)) for n, h in hits.items()}
     named = [n for n, s in score.items() if s == max(score.values())]
-    found = _others(translation, [k for k in shapes if prefix + k in asked], ("artifact", "ours"))
+    kept = [k for k in shapes if prefix + k in asked]
+    found = _others(translation, kept, ("artifact", "ours"))
     made_of = [n for k, r in made.items() for n in (k, *(t.format(**r.match(k, "ours") or {}) for t in r.artifact))]
-    places = tuple({_layer(n) or n[: n.rfind(".") + 1] for n in made_of})
-    if not found.keys().isdisjoint(named) and not any(k.startswith(places) for k in shapes):
+    made_of += [
+        k for h in _others(translation, [k[len(prefix) :] for k in ours], ("artifact", "ours")).values() for *_, k in h
+    ]
+    places = tuple({_layer(n) or (n[: n.rfind(".") + 1] if "." in n else n) for n in made_of})
+    alike = not found.keys().isdisjoint(named) or not found and all(_layer(k) is None for k in ours)
+    if kept and alike and not any(k.startswith(places) for k in shapes):
         return ""
     head = f"{url}: the artifact's names do not match translation {translation.name!r} (it takes none of its"
     head += f" {len(shapes)} model keys"

@@ -877,6 +877,75 @@ def test_a_stage_holding_a_head_its_own_translation_renames_loads_from_an_artifa
         assert all(not v.any() for v in dst.state_dict().values())
 
 
+def _headless_gpt2(root: Path, **overrides: Any) -> tuple[str, dict[str, torch.Tensor]]:
+    """nanoGPT in GPT-2's Hugging Face names (a tiny GPT-2) saved full without its head: (its url, its tensors)."""
+    hf = tiny_model("gpt2", seed=7, dtype=torch.float32, **overrides).state_dict()
+    sd = {k: v for k, v in hf.items() if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
+    smpckpt.save_checkpoint(str(root), "full", partial=False, model=Holder({k: v.clone() for k, v in sd.items()}))
+    return str(root / "full"), sd
+
+
+#: last stages holding a head their own translation renames, of an artifact saved without it: (the artifact's keys
+#: the stage holds, the head's key); the head's source name is the head's key with "w" spelled "weight"
+_LAST_STAGES = {
+    "layer_norm_head": (r"h\.1\.|ln_f\.", "head.w"),
+    "norm_head": (r"ln_f\.", "head.w"),
+    "embedding_norm_head": (r"wte\.|ln_f\.", "head.w"),
+    "layer_norm_dotless_head": (r"h\.1\.|ln_f\.", "head_w"),
+}
+
+
+@pytest.mark.parametrize("case", _LAST_STAGES)
+def test_a_real_last_stage_with_a_head_its_own_translation_renames_loads_from_an_artifact_saved_without_it(
+    tmp_path: Path, case: str
+) -> None:
+    """rev72g M2, L1, L2: a real last stage (its last layer, ln_f and the head), one with no layer (ln_f and the head;
+    or wte too) and one whose renamed head has no dot (head_w <- head_weight: its place is the key itself, not every
+    key) load the rest bit-exact under strict=False, keeping the head's values; strict refuses the head plainly."""
+    from smpckpt.model.translation import Translation, rename
+
+    url, sd = _headless_gpt2(tmp_path)
+    held, head_key = _LAST_STAGES[case]
+    mine = Translation("mine", rules=(rename(head_key, head_key[:-1] + "weight"),))
+    head = torch.arange(12.0).reshape(3, 4)
+    dst = Holder({**{k: torch.zeros_like(v) for k, v in sd.items() if re.search(held, k)}, head_key: head.clone()})
+    smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, strict=False, translate_function=mine)
+    got = dst.state_dict()
+    assert [k for k in got if k != head_key and not torch.equal(got[k], sd[k])] == [] and len(got) > 1
+    assert torch.equal(got[head_key], head)
+    with pytest.raises(
+        smpckpt.errors.LayoutMismatch, match=rf"1 keys are not in the checkpoint: model\.{re.escape(head_key)} \(pass"
+    ) as e:
+        smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, translate_function=mine)
+    assert "do not match" not in str(e.value)
+
+
+def test_a_last_stage_in_another_familys_names_sharing_one_key_with_the_artifact_is_refused(tmp_path: Path) -> None:
+    """rev72g M1: a model of one's own in GPT-Neo's Hugging Face names (a square mlp) whose translation renames only
+    its head, its last stage (h.1, ln_f, head.w) read from GPT-2's names saved without a head: GPT-2's mlp.c_fc is
+    GPT-Neo's name too, but the stage's missing q/k/v/out_proj are GPT-Neo's, in the layer the artifact holds, so the
+    load is refused naming GPT-2, strict or not (strict=False loaded c_fc's Conv1D into a Linear: transposed)."""
+    from smpckpt.model.translation import Translation, rename
+
+    url, sd = _headless_gpt2(tmp_path, n_inner=32)
+    neo = {k: torch.zeros_like(v) for k, v in sd.items() if re.search(r"h\.1\.(ln|mlp)|ln_f\.", k)}
+    attn = "transformer.h.1.attn.attention."
+    neo |= {f"{attn}{p}_proj.weight": torch.zeros(32, 32) for p in "qkv"}
+    neo |= {f"{attn}out_proj.weight": torch.zeros(32, 32), f"{attn}out_proj.bias": torch.zeros(32)}
+    mine = Translation("mine", rules=(rename("head.w", "head.weight"),))
+    for strict in (False, True):
+        dst = Holder({**neo, "head.w": torch.zeros(3, 4)})
+        with pytest.raises(
+            smpckpt.errors.LayoutMismatch,
+            match=r"do not match translation 'mine' \(it takes none of its \d+ model keys\): they are gpt2's Hugging "
+            r"Face names \('transformer\.h\.0\.attn\.c_attn\.weight'\): resume with that family's, smpckpt\.hf\."
+            r"translation_for\('gpt2'\), into a model of that family; 6 of our model keys are not in it: "
+            r"model\.transformer\.h\.1\.attn\.attention\.q_proj\.weight,",
+        ):
+            smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, strict=strict, translate_function=mine)
+        assert all(not v.any() for v in dst.state_dict().values())
+
+
 def test_a_folder_with_a_module_in_another_familys_fused_name_beside_the_model_loads_as_it_did(
     tmp_path: Path,
 ) -> None:

@@ -250,9 +250,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         missing = [k for k in missing if not self._is_optional(k)]
         # judged by the key read (a tied copy's optimizer state is read from the copy kept: rev62g F6)
         read = [sources.get(k, k) for k in missing]
-        none = set(RESERVED.stateless_when_saved(read, sorted(md_all))) if missing else set()
-        never = {k for k, r in zip(missing, read) if r in none}
-        missing, read = [k for k in missing if k not in never], [r for k, r in zip(missing, read) if r not in none]
+        never = self._stateless_when_saved(missing, sources, md_all)
+        missing, read = [k for k in missing if k not in never], [r for k, r in zip(missing, read) if k not in never]
         if missing and not self.allow_partial_load:
             shown = [r if r == k else f"{r} (for {k})" for k, r in zip(missing, read)]
             raise LayoutMismatch(
@@ -287,6 +286,17 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             logger.info("rank %d: tied keys loaded through another key: %s", self.rank, _show(sorted(tied)))
         # gathered on the coordinator; "empty" and "covered" keys count as asked for in its unexpected-key check
         return compact(LoadPlan(items, planner_data={"empty": empty + tied_covered}))
+
+    def _stateless_when_saved(
+        self, missing: list[str], sources: Mapping[str, str], md_all: Mapping[str, Any]
+    ) -> set[str]:
+        """The ``missing`` keys that are state of a parameter the checkpoint holds no optimizer state for, judged by
+        the destination's names beside the checkpoint keys read for them (a name_map may move ``optim.``, fix72j)."""
+        if not missing:
+            return set()
+        asked = {e.local_key: sources.get(k, k) for k, e in self.entries.items()}
+        none = set(RESERVED.stateless_when_saved([self.entries[k].local_key for k in missing], asked, sorted(md_all)))
+        return {k for k in missing if self.entries[k].local_key in none}
 
     def _reads_into(self, entry: Entry) -> Entry:
         """The entry to plan reads for: one reading into scratch for a tied key the checkpoint holds

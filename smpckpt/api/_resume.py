@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import _get_fqns, set_model_state_dict, set_state_dict
 
+from smpckpt._checks import refuse_clashing_new_state
 from smpckpt.api._dist import (
     OPTIONS,
     PICKLED_KEY,
@@ -206,7 +207,7 @@ def resume_state(
     state: dict[str, Any] = {}
 
     def build() -> str:
-        init_missing_state(req.optimizers)
+        init_missing_state(req.optimizers, req.model)
         state.update(train_state(req.model, req.optimizers, destinations=True))
         layout = dtensor_layout(state.get(RESERVED.model))
         if callable(req.opts.translate_function):  # the model loads what the function returns: loaded aside
@@ -252,26 +253,28 @@ class InventedState:
             loaded_in_place(exc, self.loaded)
 
 
-def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def init_missing_state(optimizers: Sequence[torch.optim.Optimizer], model: Any) -> None:
     """Give the parameters a live optimizer holds no state for the state DCP gives a fresh optimizer (a step
     at lr 0 with zero gradients, :func:`_step_at_lr0`; on a scratch optimizer of the same class for those of
     one with state): DCP initialises only an optimizer without any state, and no frozen parameter, so their
     saved state had no destination. Those the checkpoint holds nothing for lose it again
     (:func:`stateless_at_save`). A fresh optimizer whose step fails is refused by name; an optimizer class
     that cannot be built from its groups is left as is (a frozen parameter's saved state then refused, or
-    skipped, by its keys)."""
+    skipped, by its keys). The state given is checked for keys DCP would flatten into one (``model`` names them)."""
     drop_optimizer_state(None, optimizers, frozenset())  # empty entries would make DCP take them for state
     for i, opt in enumerate(optimizers):
         fresh = not opt.state and all(p.grad is None for g in opt.param_groups for p in g["params"])
         if fresh:  # as DCP's own _init_optim_state (which leaves lr 0 and zero gradients behind a failed step)
+            trained = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
             try:
-                _step_at_lr0(opt, [p for g in opt.param_groups for p in g["params"] if p.requires_grad])
+                _step_at_lr0(opt, trained)
             except Exception as exc:
                 raise RuntimeError(
                     f"optimizer {i} ({type(opt).__name__}) cannot be resumed fresh: the step at lr 0 with zero "
                     f"gradients that gives it the state to load into failed ({type(exc).__name__}: {exc}); its lr and "
                     "gradients are as they were. Leave it out of optimizer= and put its state_dict() in user_content"
                 ) from exc
+            refuse_clashing_new_state(model, i, opt, trained)
         groups = []
         for g in opt.param_groups:
             todo = [  # an integer one (a quantised weight) would fail the step: it has state only as _put_back gives it
@@ -298,6 +301,7 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
         for p in params:
             if p in scratch.state:
                 opt.state[p] = scratch.state[p]
+        refuse_clashing_new_state(model, i, opt, params)
 
 
 def _step_at_lr0(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:

@@ -472,7 +472,7 @@ def resume_full(ctx: DistContext, req: ResumeRequest) -> Any:
     with InventedState(req.model, req.optimizers) as guard:
 
         def destinations() -> dict[str, Any]:
-            init_missing_state(req.optimizers)
+            init_missing_state(req.optimizers, req.model)
             return _tensor_state(req, True, destinations=True)
 
         state = ctx.all_ok(destinations)

@@ -194,22 +194,31 @@ class ReservedKeys:
         parts = rest.split(".")
         return next((f for f in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if f in params), None)
 
-    def stateless_when_saved(self, missing: Sequence[str], saved: Sequence[str]) -> list[str]:
+    def stateless_when_saved(self, missing: Sequence[str], keys: Mapping[str, str], saved: Sequence[str]) -> list[str]:
         """The ``missing`` keys that are optimizer state of a parameter the checkpoint holds param groups
         but no state at all for: it had none when saved (no gradient yet: an unused branch, an expert
-        never routed to), so a strict resume is right to leave it without, not to refuse. ``saved``: the
-        checkpoint's keys, sorted."""
+        never routed to), so a strict resume is right to leave it without, not to refuse. Keys are the
+        destination's (``optim.state.<fqn>.<name>``); ``keys``: each destination key -> the checkpoint key
+        read for it (a name_map may have moved either prefix anywhere, fix72j); ``saved``: the checkpoint's
+        keys, sorted. A parameter's saved state is looked for under the prefix its asked key was mapped to
+        (the key read, less the ``.<name>`` it ends with); a key mapped otherwise is never judged stateless."""
         state, groups = f"{self.optim}.state.", f"{self.optim}.param_groups."
-        lo, hi = bisect.bisect_left(saved, groups), bisect.bisect_left(saved, groups[:-1] + "/")
-        # hyper-parameter names hold no dots: what is in front of the last one is the parameter's FQN
-        params = {k[len(groups) :].rpartition(".")[0] for k in saved[lo:hi]}
+
+        def has(key: str) -> bool:
+            i = bisect.bisect_left(saved, key)
+            return i < len(saved) and saved[i] == key
+
+        # the parameters whose param groups the checkpoint holds; hyper-parameter names hold no dots: what is
+        # in front of the last one is the parameter's FQN
+        held = {k[len(groups) :].rpartition(".")[0] for k, r in keys.items() if k.startswith(groups) and has(r)}
         out = []
         for key in missing:
-            if key.startswith(state):
-                fqn = self.state_owner(key[len(state) :], params)
-                if fqn is not None:
-                    i = bisect.bisect_left(saved, f"{state}{fqn}.")
-                    if i == len(saved) or not saved[i].startswith(f"{state}{fqn}."):
+            if key.startswith(state) and (fqn := self.state_owner(key[len(state) :], held)) is not None:
+                tail, read = key[len(state) + len(fqn) :], keys.get(key, key)  # tail: ".<name>[.<inner>]"
+                if read.endswith(tail):
+                    prefix = read[: len(read) - len(tail)] + "."
+                    i = bisect.bisect_left(saved, prefix)
+                    if i == len(saved) or not saved[i].startswith(prefix):
                         out.append(key)
         return out
 

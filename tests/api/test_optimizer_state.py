@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 import warnings
 from typing import Any
 
@@ -855,11 +856,16 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     ],
     ids=["dotted-beside-nested", "dotted-under-nested"],
 )
-def test_optimizer_state_keys_that_flatten_into_one_are_refused_by_name(tmp_path: Any, state: Any, want: str) -> None:
+def test_optimizer_state_keys_that_flatten_into_one_are_refused_by_name(
+    tmp_path: Any, state: Any, want: str, monkeypatch: Any
+) -> None:
     """fix72b 2: DCP flattens optimizer state to ``state.<fqn>.<path joined by '.'>``: a dotted state name beside
     nested state of the same path (``{"b.c": t, "b": {"c": u}}``) became one key, the one saved over the other
     (the resume gave ``t`` ``u``'s values, silently); a dotted name under a nested state's (``{"nest": {...},
-    "nest.w": t}``) came back inside ``nest`` too. Refused at the save, nothing written, and at the resume."""
+    "nest.w": t}``) came back inside ``nest`` too. Refused at the save, nothing written, and at the resume.
+    fix72j: a fresh optimizer (no state until the resume's step at lr 0 gives it some) resumed from a checkpoint
+    written before the check existed was checked while empty and came back silently wrong (both values the one
+    saved; ``nest`` gaining ``w``): its new state is checked too, refused by name, and it is left fresh."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(3, 2))
     o = _Clash(m.parameters(), state)
@@ -872,6 +878,16 @@ def test_optimizer_state_keys_that_flatten_into_one_are_refused_by_name(tmp_path
     with pytest.raises(ValueError) as resuming:
         resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
     assert str(resuming.value).startswith(want)
+    with monkeypatch.context() as before_the_check:  # a checkpoint written before the check existed
+        before_the_check.setattr(smpckpt.api.checkpointer, "refuse_unflattenable", lambda *a: None)
+        save_checkpoint(str(tmp_path), "old", model=m, optimizer=o)
+    torch.manual_seed(1)
+    fresh_m = nn.Sequential(nn.Linear(3, 2))
+    fresh_o = _Clash(fresh_m.parameters(), state)
+    with pytest.raises(ValueError) as resuming:
+        resume_from_checkpoint(str(tmp_path), "old", model=fresh_m, optimizer=fresh_o)
+    assert str(resuming.value).startswith(want)
+    assert not fresh_o.state and all(p.grad is None for p in fresh_m.parameters())
 
 
 def test_a_clash_within_one_parameters_state_is_found_and_healthy_nested_state_is_not_one() -> None:
@@ -1205,3 +1221,34 @@ def test_state_saved_in_its_parameters_dtype_follows_a_model_cast_at_the_resume(
         torch.manual_seed(1)
         step(model, opt, torch.bfloat16)
     assert _equal(m2, m3)
+
+
+@pytest.mark.parametrize("name_map", list(_MAPS.values()), ids=list(_MAPS))
+def test_a_parameter_saved_without_optimizer_state_resumes_without_it_through_a_name_map(
+    tmp_path: Any, name_map: Any
+) -> None:
+    """fix72b (noticed): a parameter with no optimizer state at the save (an unused branch) was told apart by
+    the checkpoint's ``optim.param_groups.`` / ``optim.state.`` keys read by their literal prefix: through a
+    name_map moving the ``optim.`` prefix a strict resume refused its own checkpoint ("6 keys are not in the
+    checkpoint: opt.state.1.weight.step, ..."). Judged by the mapped names now: stateless, the rest bit-exact.
+    State the checkpoint does lack (an amsgrad moment it never held) is still refused under the map."""
+    sharding = smpckpt.Sharding(name_map=name_map)
+    m, o = unused_branch_model()
+    unused_branch_step(m, o, both=False)  # layer 1: no gradient, no state
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o, options=sharding)
+    m2, o2 = unused_branch_model()
+    resume_from_checkpoint(str(tmp_path), "a", model=m2, optimizer=o2, options=sharding)
+    assert m2[1].weight not in o2.state and m2[1].bias not in o2.state
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
+    for p, p2 in zip(m[0].parameters(), m2[0].parameters(), strict=True):
+        assert o.state[p].keys() == o2.state[p2].keys()
+        assert all(torch.equal(torch.as_tensor(o.state[p][k]), torch.as_tensor(o2.state[p2][k])) for k in o.state[p])
+    unused_branch_step(m, o, both=True)
+    unused_branch_step(m2, o2, both=True)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
+    # layer 0 held state without amsgrad's moment: asked for by an amsgrad Adam, it is missing, refused by name
+    m3, _ = unused_branch_model()
+    o3 = torch.optim.Adam(m3.parameters(), lr=0.1, amsgrad=True)
+    wanted = name_map("optim.state.0.weight.max_exp_avg_sq")
+    with pytest.raises(LayoutMismatch, match=rf"2 keys are not in the checkpoint: {re.escape(wanted)}, "):
+        resume_from_checkpoint(str(tmp_path), "a", model=m3, optimizer=o3, options=sharding)

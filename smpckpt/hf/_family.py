@@ -111,7 +111,7 @@ def _judge(
     with no family's, the words of a note for the strict refusal. ``""`` (missing as any key is): no key a rule makes
     (a new head, a stage's cut); the translation taking the names as ours; no key the rank does not ask for; renamed
     keys simply absent (rev71c3 L1): the rank finds some of its keys, among them that family's names (the model is in
-    them; or none is any family's and no missing key lies in a layer: a last stage of ln_f and its head), and nothing
+    them; a stage finding no family's key, ln_f and a head, is refused: rev72k), and nothing
     of the artifact lies in the layer (outside layers, the module; a dotless key, itself) of a renamed key, of its
     sources or of a missing key another family's rules take (GPT-Neo's q_proj beside GPT-2's shared mlp.c_fc)."""
     ours = [k for k in missing if k.startswith(prefix)]
@@ -133,7 +133,9 @@ def _judge(
         k for h in _others(translation, [k[len(prefix) :] for k in ours], ("artifact", "ours")).values() for *_, k in h
     ]
     places = tuple({_layer(n) or (n[: n.rfind(".") + 1] if "." in n else n) for n in made_of})
-    alike = not found.keys().isdisjoint(named) or not found and all(_layer(k) is None for k in ours)
+    # a stage finding no family's key (ln_f and a head) is not waived: its rank alone cannot tell the job's names
+    # (another rank's layers may be read transposed: rev72k M1; one shared key passed: M2)
+    alike = not found.keys().isdisjoint(named)
     if kept and alike and not any(k.startswith(places) for k in shapes):
         return ""
     head = f"{url}: the artifact's names do not match translation {translation.name!r} (it takes none of its"

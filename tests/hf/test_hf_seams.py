@@ -895,7 +895,22 @@ _LAST_STAGES = {
 }
 
 
-@pytest.mark.parametrize("case", _LAST_STAGES)
+_LAYERLESS = pytest.mark.xfail(
+    strict=True,
+    raises=smpckpt.errors.LayoutMismatch,
+    reason="a layerless last stage finds no family's key: refused as another family (loud; older than fix72i). "
+    "Waiving it per rank let a whole PP job load another rank's layers transposed (rev72k M1) and one shared key "
+    "through (M2): it needs a judgement over every rank's keys (the global plan)",
+)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        c if c in ("layer_norm_head", "layer_norm_dotless_head") else pytest.param(c, marks=_LAYERLESS)
+        for c in _LAST_STAGES
+    ],
+)
 def test_a_real_last_stage_with_a_head_its_own_translation_renames_loads_from_an_artifact_saved_without_it(
     tmp_path: Path, case: str
 ) -> None:

@@ -16,13 +16,16 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import functools
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -143,18 +146,47 @@ def is_drained(drained: Mapping[str, str], tag: str, save_id: str) -> bool:
     return tag in drained and drained[tag] in ("", save_id)
 
 
-def note_drained(job: str, tag: str, save_id: str) -> None:
+def note_drained(job: str, tag: str, save_id: str, *, unless_held: bool = False) -> None:
     """(a node's first rank, once ``tag`` is committed in ``path``: drained, or seen there by the job, rev68i F3)
-    ``tag`` first in the record, replaced whole
-    (a reader sees the old record or the new one); a failure is logged: the resume then knows less, as before."""
-    ids = dict([(tag, save_id), *((t, i) for t, i in read_drained(job).items() if t != tag)][:_DRAINED_KEPT])
-    tmp = os.path.join(job, f".{JOB_DRAINED}.{os.getpid()}")
+    ``tag`` first in the record, replaced whole (a reader sees the old record or the new one); ``unless_held``:
+    nothing when the record holds that save already. Read, changed and replaced under ``flock`` of the job folder,
+    through a temp file of its own: the drain thread's and a save's (:func:`note_seen`) read the same record, and
+    the later replace dropped the other's tag, or both wrote one temp file named by the pid (rev72e LOW-1). A
+    failure is logged: the resume then knows less, as before."""
+    tmp = None
     try:
-        with open(tmp, "wb") as f:
-            f.write(json.dumps({"drained": list(ids), "ids": ids}).encode())
-        os.replace(tmp, os.path.join(job, JOB_DRAINED))
+        with _record_locked(job):
+            held = read_drained(job)
+            if unless_held and is_drained(held, tag, save_id):
+                return
+            ids = dict([(tag, save_id), *((t, i) for t, i in held.items() if t != tag)][:_DRAINED_KEPT])
+            fd, tmp = tempfile.mkstemp(prefix=f".{JOB_DRAINED}.", dir=job)
+            with os.fdopen(fd, "wb") as f:
+                f.write(json.dumps({"drained": list(ids), "ids": ids}).encode())
+            os.replace(tmp, os.path.join(job, JOB_DRAINED))
+            tmp = None
     except OSError as exc:
         log.warning("could not record the drain of %r in %s: %s", tag, job, exc)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _record_locked(job: str) -> Iterator[None]:
+    """``flock`` of the job folder, held by one open of it at a time (a thread's, or another process's on the
+    node); nothing where the filesystem refuses it."""
+    fd = os.open(job, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                raise
+        yield  # the lock ends with the descriptor
+    finally:
+        os.close(fd)
 
 
 def note_seen(job: str, seen: tuple[str, str] | None) -> None:
@@ -163,8 +195,8 @@ def note_seen(job: str, seen: tuple[str, str] | None) -> None:
     loaded it), recorded in the job folder as held there (:func:`note_drained`) unless it is: the job saw it
     (another writer's of the root, its own plain ``overwrite=True`` save of a drained tag among them), so a
     resume finding only it in ``path`` is no emptied path (rev68i F3: refused as one, naming ``tag=``)."""
-    if seen is not None and not is_drained(read_drained(job), *seen):
-        note_drained(job, *seen)
+    if seen is not None:
+        note_drained(job, *seen, unless_held=True)
 
 
 def by_ids(records: Sequence[Mapping[str, str]]) -> list[Mapping[str, str]]:

@@ -4,6 +4,7 @@ nodes x 2 gloo ranks: test_tiers_ranks.py."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import warnings
@@ -623,3 +624,34 @@ def test_histories_are_told_apart_by_their_segments_never_by_save_times() -> Non
     assert not apart(save(31, [(a_, 1), (b_, 6), (d_, 31)], ((a_, 24),)), a24)  # settled: seen, passed over
     assert runs_of([["000000000000000a", 1], ["0b", 6]]) == ((a_, 1), (b_, 6))
     assert runs_of([["zz", 1]]) == runs_of([["0a", True]]) == runs_of("x") == ()  # damaged: no evidence
+
+
+def test_each_save_says_how_many_abandoned_saves_the_fast_tier_keeps(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """rev72e LOW-2: fast-tier retention keeps every save a roll-back abandoned, uncounted and never removed
+    (65c8d35, as path's), and nothing said so: a job rolling back often filled /dev/shm silently. Now each
+    save that keeps any warns once (each node's first rank; not again after its drain), naming how many, the
+    newest few, their size and how to remove them."""
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    fast = FastTier(local_path=str(local), replicas=1, durable_every=2, num_kept_local=1)
+    said: list[list[str]] = []
+    with Checkpointer(durable, fast_tier=fast) as c, caplog.at_level(logging.WARNING, logger="smpckpt.api"):
+        for tag in ("s1", "s2", "s3", "back", "s4", "s5"):
+            caplog.clear()
+            if tag == "back":
+                c.resume(tag="s2", model=_linear(99))  # s3 abandoned by the next save
+            else:
+                c.save(tag, _linear(int(tag[1])))
+                c.wait()  # its drain too
+            said.append([r.getMessage() for r in caplog.records if "as abandoned" in r.getMessage()])
+    job = _job(local, durable)
+    assert _partials(job) == ["s3_partial", "s5_partial"]
+    size = sum(p.stat().st_size for p in (job / "s3_partial").iterdir()) / 2**20
+    want = (
+        f"fast tier {job}: keeps 1 checkpoint(s) a newer save records as abandoned (a roll-back by tag=, or saves "
+        f"the job went on past), 's3', {size:.1f} MiB on this node: retention neither counts nor removes them, so "
+        "each roll-back adds to them (on /dev/shm they hold memory). Remove those no longer wanted by hand, on every "
+        f"node, e.g. `rm -r {job}/s3_partial`"
+    )
+    assert said == [[], [], [], [], [want], [want]], said

@@ -4,6 +4,7 @@ peer's replica when one is intact), S3, late drains and retention."""
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -584,3 +585,45 @@ def test_the_drain_budget_keeps_room_for_its_oldest_file_which_never_waits() -> 
     budget.end("b")
     budget.end("c")
     assert (budget.held, budget.files, budget.peak) == (0, {}, 26)
+
+
+def test_a_drain_and_a_save_noting_path_at_once_both_stay_in_the_job_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """rev72e LOW-1: the drain thread's ``note_drained`` and the save thread's ``note_seen`` each read the job
+    folder's record, changed it and replaced it through one temp file named by the pid: both read the old
+    record, the later replace dropped the other's tag (a drained tag lost: 98 in 3000 rounds), or the two
+    wrote one temp file (a record read as empty: 31). Now one at a time (``flock`` of the job folder), each
+    through a temp file of its own. Each write is slowed so the two always overlap."""
+    import json
+    import threading
+    import types
+
+    import smpckpt.api._drain as drain_module
+
+    def slow_dumps(value: Any) -> str:
+        time.sleep(0.05)  # between the read and the replace: both threads read the old record, every round
+        return json.dumps(value)
+
+    monkeypatch.setattr(drain_module, "json", types.SimpleNamespace(loads=json.loads, dumps=slow_dumps))
+    job = str(tmp_path)
+    for i in range(5):
+        (tmp_path / drain_module.JOB_DRAINED).write_text('{"drained": ["c1"], "ids": {"c1": "id1"}}')
+        start = threading.Barrier(2)
+
+        def drainer(start: threading.Barrier = start) -> None:
+            start.wait()
+            drain_module.note_drained(job, "c3", "id3")
+
+        def saver(start: threading.Barrier = start) -> None:
+            start.wait()
+            drain_module.note_seen(job, ("x9", "idx"))
+
+        threads = [threading.Thread(target=drainer), threading.Thread(target=saver)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(drain_module.read_drained(job).items()) == [("c1", "id1"), ("c3", "id3"), ("x9", "idx")], i
+        assert sorted(os.listdir(job)) == [drain_module.JOB_DRAINED], i  # no temp file left
+    assert not [r.getMessage() for r in caplog.records if "could not record" in r.getMessage()]

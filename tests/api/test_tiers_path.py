@@ -318,7 +318,8 @@ def test_every_rank_gets_the_same_answer_on_two_nodes(s3_root: tuple[str, dict[s
     was refused as an emptied path (node 0's record alone decided) though path holds c4, a drain node 1's
     record names: every node's record counts. rev72b: a record of tags only (an older version's) on node 1
     matched a new run's c4 by name (M1); node 0 replaced by a fresh machine was refused, the drain record
-    of path's newest (seen, not drained) written on node 0 alone (H1)."""
+    of path's newest (seen, not drained) written on node 0 alone (H1). rev72e LOW-3: so was the record of
+    path's checkpoint a resume loaded (every node's first rank records it now; no test held that)."""
     root, options = s3_root
     got = run_world(
         tier_workers.path_cases, 4, str(tmp_path / "fast"), str(tmp_path / "durable"), root, options, _down(options)
@@ -351,6 +352,10 @@ def test_every_rank_gets_the_same_answer_on_two_nodes(s3_root: tuple[str, dict[s
         assert fresh["path"] == ["newest", "w6_partial"], (rank, fresh)
         assert isinstance(fresh["got"], dict), (rank, fresh)
         assert (fresh["got"]["tag"], fresh["got"]["tier"], fresh["got"]["exact"]) == ("t7", "fast", True), (rank, fresh)
+        # rev72e LOW-3: path's w2, which the job resumed, is known to node 1's record too (node 0 replaced)
+        resumed = r["fresh_node0_resumed"]
+        assert isinstance(resumed, dict), (rank, resumed)
+        assert (resumed["tag"], resumed["tier"], resumed["exact"]) == ("x3", "fast", True), (rank, resumed)
 
 
 def test_a_due_save_pending_while_path_is_down_outlives_fast_tier_retention_and_drains(

@@ -398,6 +398,7 @@ def path_cases(rank: int, world: int, base: str, durable: str, s3: str, up: Any,
     out["exact"] = all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), model.state_dict().values()))
     out["old_disk"] = node_back_with_an_old_drain_record(rank, base + "-old-disk", durable + "-old-disk")
     out["fresh_node0"] = fresh_node0_after_plain_saves(rank, base + "-fresh", durable + "-fresh")
+    out["fresh_node0_resumed"] = fresh_node0_after_a_path_resume(rank, base + "-resumed", durable + "-resumed")
     return out
 
 
@@ -493,6 +494,50 @@ def fresh_node0_after_plain_saves(rank: int, base: str, durable: str) -> Any:
     dist.barrier()
     got = _resume_tagless(durable, local, model)
     return {"got": got, "path": sorted(os.listdir(durable)), "gathers": gathers}
+
+
+def fresh_node0_after_a_path_resume(rank: int, base: str, durable: str) -> Any:
+    """(test_tiers_path.py, rev72e LOW-3) c1 tiered, drained (every node records it); a plain save w2 (path's
+    retention 1 removes c1); the job resumes w2 from path (every node's first rank records it: node 0's alone
+    before abc0831) and saves x3 tiered with path down (its draw reads nothing). Node 0 replaced (empty
+    local_path), path back: a tag-less resume loads x3 from node 1's copies, bit-exact (node 1's record must
+    know w2, else path looks emptied)."""
+    from torch import nn
+
+    import smpckpt.api._fast_save as fast_save
+    from smpckpt import Checkpointer, FastTier, Retention
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local = node_dir(base, rank)
+    fast = FastTier(local_path=local, replicas=2, durable_every=1, num_kept_local=1)
+    torch.manual_seed(3)
+    model = nn.Linear(4, 4)
+    save_checkpoint(durable, "c1", model=model, options=fast)
+    wait_for_saves()
+    save_checkpoint(durable, "w2", model=model, options=Retention(num_kept_partial_checkpoints=1))
+    wait_for_saves()
+    real = fast_save.probe_checkpoint
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise ConnectionRefusedError(111, "injected: path is down")
+
+    with Checkpointer(durable, fast_tier=fast) as c, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c.resume(tag="w2", model=nn.Linear(4, 4))
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        fast_save.probe_checkpoint = down  # type: ignore[assignment]
+        try:
+            c.save("x3", model)
+            c.wait()
+        finally:
+            fast_save.probe_checkpoint = real  # type: ignore[assignment]
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(local)
+        os.makedirs(local)
+    dist.barrier()
+    return _resume_tagless(durable, local, model)
 
 
 def _gathers(durable: str, local: str, **kw: Any) -> int:

@@ -483,6 +483,8 @@ def fresh_node0_after_plain_saves(rank: int, base: str, durable: str) -> Any:
     for tag in ("c1", "c2", "c3", "c4", "w5", "w6", "t7"):
         with torch.no_grad():
             model.weight.add_(1.0)
+        if tag == "w5":
+            wait_for_saves()  # c3's drain committed before path's retention runs (else c3 may stay: a flake, fix72k)
         save_checkpoint(durable, tag, model=model, options=fast if tag[0] != "w" else kept)
     wait_for_saves()
     dist.barrier()

@@ -103,11 +103,15 @@ def refuse_clashing_new_state(model: Any, i: int, opt: Any, params: Sequence[Any
     of optimizer ``i`` (a fresh one was checked while it had none: from a checkpoint written before the check,
     its clashing state loaded silently wrong, fix72j). Only a state holding nested state is looked at further.
     Refused, ``params`` are left without state, as they came."""
-    nested = [st for p in params if (st := opt.state.get(p)) and any(map(isinstance, st.values(), repeat(dict)))]
+    walked, keys = opt.state, list(params)
+    if not _plain_state_dict(opt):  # judged on what DCP loads into, as at the save (rev72i)
+        index = {id(q): k for k, q in enumerate(q for g in opt.param_groups for q in g["params"])}
+        walked, keys = opt.state_dict()["state"], [index.get(id(p)) for p in params]
+    nested = [st for k in keys if (st := walked.get(k)) and any(map(isinstance, st.values(), repeat(dict)))]
     odd_names = _odd_names(nested) if nested else None
     if odd_names:
         try:
-            _refuse_clashing(model, i, opt, opt.state, nested, all_str=odd_names == "dotted")
+            _refuse_clashing(model, i, opt, walked, nested, all_str=odd_names == "dotted")
         except ValueError:
             for p in params:
                 opt.state.pop(p, None)

@@ -1004,6 +1004,14 @@ def test_optimizer_state_clash_is_judged_on_what_state_dict_gives() -> None:
     dropped = fill(_DropSD(m.parameters(), lr=0.1), {"pre.L": torch.zeros(1)})
     refuse_unflattenable(m, [dropped])  # the dotted name never reaches DCP: nothing clashes
     assert "pre.L" not in dropped.state_dict()["state"][0]
+    # the resume's check of a fresh optimizer's new state (after its step at lr 0) judges the same
+    from smpckpt._checks import refuse_clashing_new_state
+
+    fresh = fill(_AliasSD(m.parameters(), lr=0.1))
+    with pytest.raises(ValueError) as refused:
+        refuse_clashing_new_state(m, 0, fresh, list(m.parameters()))
+    assert str(refused.value).startswith(clash("_AliasSD")) and len(fresh.state) == 0
+    refuse_clashing_new_state(m, 0, fill(_DropSD(m.parameters(), lr=0.1), {"pre.L": torch.zeros(1)}), [m.weight])
 
 
 def test_every_torch_optimizer_on_dotted_names_saves_and_resumes_beside_nested_state(tmp_path: Any) -> None:

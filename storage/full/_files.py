@@ -24,7 +24,7 @@ from typing import Any, cast
 import numpy as np
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage.backends._fs import is_local, is_s3, join, pread_into, translate_errors
+from smpckpt.storage.backends._fs import is_local, is_s3, join, pread_into, translate, translate_errors
 from smpckpt.storage.format._checksum import hash_rows
 from smpckpt.storage.format._columns import STREAM_PIECE_BYTES, Into, streams
 from smpckpt.storage.full._units import Unit, UnitIndex, intervals
@@ -148,10 +148,7 @@ class RunFiles:
         fetched = sum(spans[k][1] for k in gets)
         pos = 0
         for (lo, n), (a, b), blob in zip(spans, groups, blobs):
-            if isinstance(blob, Exception) or len(blob) != n:
-                raise CheckpointCorrupt(f"{path}: short read at offset {lo}") from (
-                    blob if isinstance(blob, Exception) else None
-                )
+            _check_span(path, lo, n, blob)
             src = np.frombuffer(blob, dtype=np.uint8)
             dst = np.frombuffer(out, dtype=np.uint8)
             rel = starts[a:b].astype(np.int64) - lo
@@ -203,15 +200,25 @@ class RunFiles:
         blobs, fetched = self._spans(name, spans)
         path = join(self.path, name)
         for k in fetched:
-            if isinstance(blobs[k], Exception) or len(blobs[k]) != spans[k][1]:
-                raise CheckpointCorrupt(f"{path}: short read at offset {spans[k][0]}") from (
-                    blobs[k] if isinstance(blobs[k], Exception) else None
-                )
+            _check_span(path, *spans[k], blobs[k])
         self._tls.held = (*before, *((name, spans[k][0], blobs[k]) for k in fetched))
         try:
             yield sum(spans[k][1] for k in fetched)
         finally:
             self._tls.held = before
+
+
+def _check_span(path: str, lo: int, n: int, blob: Any) -> None:
+    """A span's GET came back whole: a failed one (its exception, a timeout past s3fs's retries) is raised as
+    itself, translated (a ``TimeoutError`` naming the file: transient, not a damaged checkpoint, rev72i); a body
+    of another length as :class:`CheckpointCorrupt`."""
+    if isinstance(blob, Exception):
+        new = translate(blob, path)
+        if new is blob:
+            raise blob
+        raise new from blob
+    if len(blob) != n:
+        raise CheckpointCorrupt(f"{path}: short read at offset {lo}")
 
 
 def stream_groups(lo: np.ndarray, hi: np.ndarray, request_cost: int | None, limit: int) -> list[tuple[int, int]]:

@@ -942,6 +942,76 @@ def test_healthy_nested_optimizer_state_is_checked_without_state_dict_or_dcp_nam
         "would be saved over the other"
     )
     assert calls == ["_get_fqns"]
+    # a name not a str beside its str() as nested state's name: found only through _odd_names' TypeError branch
+    opts[1].state[m[1].weight] = {1: torch.zeros(1), "1": {"x": torch.zeros(1)}}
+    with pytest.raises(ValueError) as clash:
+        refuse_unflattenable(m, opts)
+    assert str(clash.value).startswith(
+        "optimizer 1 (_Clash) holds state [1] of parameter '1.weight' and state ['1'] of parameter '1.weight': the "
+        "load reads every key under 'optim.state.1.weight.1.' back into the nested state, so the first would come "
+        "back inside the second"
+    )
+
+
+class _AliasSD(torch.optim.SGD):
+    """Its state_dict() (what DCP saves) adds a dotted alias 'pre.L' of the nested state 'pre' = {'L': t}."""
+
+    def state_dict(self) -> Any:
+        sd = super().state_dict()
+        sd["state"] = {k: {**v, "pre.L": torch.full_like(v["pre"]["L"], 5.0)} for k, v in sd["state"].items()}
+        return sd
+
+
+class _DropSD(torch.optim.SGD):
+    """Its state_dict() (what DCP saves) leaves out every dotted state name."""
+
+    def state_dict(self) -> Any:
+        sd = super().state_dict()
+        sd["state"] = {k: {n: x for n, x in v.items() if "." not in str(n)} for k, v in sd["state"].items()}
+        return sd
+
+
+def test_optimizer_state_clash_is_judged_on_what_state_dict_gives() -> None:
+    """rev72i MEDIUM: the clash check read opt.state, but DCP saves opt.state_dict(): a subclass or a state_dict
+    hook adding a dotted alias of nested state saved one value over the other silently (5.0 back where 1.0 was
+    saved), and a subclass leaving the dotted name out was refused though it saves fine."""
+    from smpckpt._checks import refuse_unflattenable
+
+    m = nn.Linear(2, 2)
+
+    def fill(o: Any, extra: Any = None) -> Any:
+        for p in m.parameters():
+            o.state[p] = {"pre": {"L": torch.ones_like(p)}, **(extra or {})}
+        return o
+
+    def clash(kind: str) -> str:
+        return (
+            f"optimizer 0 ({kind}) holds state ['pre']['L'] of parameter 'weight' and state ['pre.L'] of parameter "
+            "'weight': torch.distributed.checkpoint flattens both to the key 'optim.state.weight.pre.L', so one "
+            "would be saved over the other"
+        )
+
+    with pytest.raises(ValueError) as refused:
+        refuse_unflattenable(m, [fill(_AliasSD(m.parameters(), lr=0.1))])
+    assert str(refused.value).startswith(clash("_AliasSD"))
+    hooked = fill(torch.optim.SGD(m.parameters(), lr=0.1))
+    hooked.register_state_dict_post_hook(
+        lambda opt, sd: {**sd, "state": {k: {**v, "pre.L": v["pre"]["L"] * 5} for k, v in sd["state"].items()}}
+    )
+    with pytest.raises(ValueError) as refused:
+        refuse_unflattenable(m, [hooked])
+    assert str(refused.value).startswith(clash("SGD"))
+    dropped = fill(_DropSD(m.parameters(), lr=0.1), {"pre.L": torch.zeros(1)})
+    refuse_unflattenable(m, [dropped])  # the dotted name never reaches DCP: nothing clashes
+    assert "pre.L" not in dropped.state_dict()["state"][0]
+    # the resume's check of a fresh optimizer's new state (after its step at lr 0) judges the same
+    from smpckpt._checks import refuse_clashing_new_state
+
+    fresh = fill(_AliasSD(m.parameters(), lr=0.1))
+    with pytest.raises(ValueError) as refused:
+        refuse_clashing_new_state(m, 0, fresh, list(m.parameters()))
+    assert str(refused.value).startswith(clash("_AliasSD")) and len(fresh.state) == 0
+    refuse_clashing_new_state(m, 0, fill(_DropSD(m.parameters(), lr=0.1), {"pre.L": torch.zeros(1)}), [m.weight])
 
 
 def test_every_torch_optimizer_on_dotted_names_saves_and_resumes_beside_nested_state(tmp_path: Any) -> None:

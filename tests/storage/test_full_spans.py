@@ -117,6 +117,37 @@ def test_at_most_ahead_spans_are_held() -> None:
     assert held_max <= 3
 
 
+def test_a_failed_span_get_is_raised_as_its_error_naming_the_file_and_a_short_one_as_corrupt(monkeypatch: Any) -> None:
+    """rev72i L5: a GET of a span (the non-streamed object-store read, and holding()) that failed, a timeout past
+    s3fs's retries, was raised as CheckpointCorrupt('short read'): the checkpoint is fine, retry; now as the
+    translated error, a TimeoutError naming the file. A short body stays CheckpointCorrupt."""
+    import fsspec
+    import numpy as np
+    from fsspec.exceptions import FSTimeoutError
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file("/stall/f", bytes(range(256)) * 4)
+    for got in (FSTimeoutError(), b"\0" * 10):
+        monkeypatch.setattr(fs, "cat_ranges", lambda paths, starts, ends, got=got: [got] * len(paths))
+        with RunFiles(fs, "/stall") as files:
+            calls = [
+                lambda: files.read_runs("f", np.array([0, 512]), 100, memoryview(bytearray(200))),
+                lambda: files.holding("f", np.array([0]), np.array([300])).__enter__(),
+            ]
+            for call in calls:
+                if isinstance(got, Exception):
+                    with pytest.raises(TimeoutError) as err:
+                        call()
+                    assert (err.value.filename, err.value.strerror) == (
+                        "/stall/f",
+                        "timed out (FSTimeoutError; transient: retry)",
+                    )
+                    assert err.value.__cause__ is got
+                else:
+                    with pytest.raises(CheckpointCorrupt, match=r"^/stall/f: short read at offset 0$"):
+                        call()
+
+
 # -- full artifacts on S3 (a real S3-protocol server on loopback) -----------------------------------
 
 

@@ -161,12 +161,13 @@ def note_drained(job: str, tag: str, save_id: str, *, unless_held: bool = False)
                 return
             ids = dict([(tag, save_id), *((t, i) for t, i in held.items() if t != tag)][:_DRAINED_KEPT])
             fd, tmp = tempfile.mkstemp(prefix=f".{JOB_DRAINED}.", dir=job)
+            os.fchmod(fd, 0o644)  # as the record was written before (mkstemp's 0600)
             with os.fdopen(fd, "wb") as f:
                 f.write(json.dumps({"drained": list(ids), "ids": ids}).encode())
             os.replace(tmp, os.path.join(job, JOB_DRAINED))
             tmp = None
     except OSError as exc:
-        log.warning("could not record the drain of %r in %s: %s", tag, job, exc)
+        log.warning("could not record %r (drained or seen in path) in %s: %s", tag, job, exc)
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
@@ -184,7 +185,12 @@ def _record_locked(job: str) -> Iterator[None]:
         except OSError as exc:
             if exc.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
                 raise
-        yield  # the lock ends with the descriptor
+            yield
+            return
+        try:
+            yield
+        finally:  # released, not left to the close: a child forked meanwhile holds a copy of the descriptor
+            fcntl.flock(fd, fcntl.LOCK_UN)  # (a DataLoader worker: the next note waited for it to exit, rev72m)
     finally:
         os.close(fd)
 

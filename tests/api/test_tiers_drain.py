@@ -4,6 +4,7 @@ peer's replica when one is intact), S3, late drains and retention."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -585,6 +586,30 @@ def test_the_drain_budget_keeps_room_for_its_oldest_file_which_never_waits() -> 
     budget.end("b")
     budget.end("c")
     assert (budget.held, budget.files, budget.peak) == (0, {}, 26)
+
+
+def test_a_child_forked_while_the_job_record_is_locked_does_not_hold_the_next_note(tmp_path: Path) -> None:
+    """rev72m: the record's ``flock`` was left to the descriptor's close, and a child forked while it was held (a
+    DataLoader worker) kept a copy of the descriptor: the next note (the save thread's ``note_seen``, every other
+    rank in a collective behind it) waited until that child exited."""
+    import smpckpt.api._drain as drain_module
+
+    job = str(tmp_path)
+    with drain_module._record_locked(job):
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child only holds the descriptor, then leaves
+            time.sleep(8)
+            os._exit(0)
+    try:
+        started = time.monotonic()
+        drain_module.note_drained(job, "c1", "id1")
+        waited = time.monotonic() - started
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    assert waited < 4, waited  # 8 s: held until the child exits
+    assert drain_module.read_drained(job) == {"c1": "id1"}
+    assert os.stat(os.path.join(job, drain_module.JOB_DRAINED)).st_mode & 0o777 == 0o644
 
 
 def test_a_drain_and_a_save_noting_path_at_once_both_stay_in_the_job_record(

@@ -176,6 +176,14 @@ class Checkpointer:
         except (OSError, ValueError):  # refused by name where the location is first used
             return str(self.location.path).rstrip("/")
 
+    def _moved(self, root: str) -> None:
+        """The root's folder changed (a link re-pointed): its work in flight ends, its numbering starts afresh."""
+        log.warning("%s now names folder %s (was %s): numbered afresh there", self.location.path, root, self._root_key)
+        concurrent.futures.wait([f for f in (self._save_lane.fut, self._drain_lane.fut) if f is not None])
+        self._counter = SequenceCounter(self.location.path, self._counter.storage_options)
+        if self._tier is not None:
+            self._tier = FastTierPart(self._tier.options, self._groups, self._counter, self._drain_lane)
+
     def __repr__(self) -> str:
         return f"Checkpointer({self.location.path!r}, {self.layout})"
 
@@ -351,7 +359,9 @@ class Checkpointer:
                 self._groups.join(ctx, self.sharding.join_timeout, action)
             common, opts = ctx.agreed(check, what)
             self._counter.storage_options = common.storage_options  # a save's number read with its options
-            self._root_key = root = self._folder()  # where a link points now (re-pointed since: another folder)
+            if (root := self._folder()) != self._root_key:  # a link re-pointed: not that folder's history (rev72j M1)
+                self._moved(root)
+            self._root_key = root
             last = _last_resume.get(None)  # this thread's: a per-save Checkpointer (export too) goes on from it
             self._counter.hint = last[0].tag if last is not None and last[1] == root else ""  # (rev69i 4)
             if self.sharding.join_timeout is not None:  # every rank is here: the group later saves meet on

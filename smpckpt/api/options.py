@@ -173,13 +173,13 @@ def _absolute_local(path: str) -> str:
 
 
 def check_local_path(path: Any) -> str:
-    """``local_path``: a folder on this node (a path or ``file://`` URL), as an absolute path."""
+    """``local_path``: a folder on this node (a path, ``file://`` or ``local://`` URL), as an absolute path."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise TypeError(f"local_path must be a non-empty str or os.PathLike, got {path!r}")
     text = str(os.fspath(path))
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    elif "://" in text:
+    scheme = next((s for s in ("file://", "local://") if text.startswith(s)), "")  # fsspec's names of local disk
+    text = text[len(scheme) :]
+    if not scheme and "://" in text:
         raise ValueError(f"local_path must be a folder on this node (NVMe, /dev/shm), not a URL: {text!r}")
     return os.path.abspath(os.path.expanduser(text))
 

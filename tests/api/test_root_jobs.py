@@ -115,6 +115,30 @@ def test_checkpointers_of_one_process_in_one_root_are_one_job(tmp_path: Any) -> 
     resume_from_checkpoint(root, model=m, optimizer=o)  # the newest: c1, this process's own
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="rev72j M2, open: this job's own saves end the listing before the resume's hint is used; going on from "
+    "the hint needs the root's highest number at the resume, which a tag resume does not list (fix72o)",
+)
+def test_a_per_save_checkpointer_goes_on_from_a_roll_back_of_this_process(tmp_path: Any) -> None:
+    """rev72j M2: A saves s1, s2, s3; B (same process) resumes s1; C, built per save keeping 2, saves s4. s4 goes on
+    from s1: s2, s3 are its abandoned range (never counted); retention keeps s1 (s4's parent). Now: s4 records
+    no range (this job's own saves end the listing before the resume's hint is used) and s1 is removed."""
+    root = str(tmp_path)
+    m, o = model()
+    with Checkpointer(root) as a:
+        for tag in ("s1", "s2", "s3"):
+            a.save(tag, m, o)
+    with Checkpointer(root) as b:
+        b.resume("s1", model=m, optimizer=o)
+    with Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=2)) as c:
+        c.save("s4", m, o)
+    records = {r.tag: r for r in scan_root(root) if r.committed}
+    assert records["s4"].extra.get("abandoned") == [[2, 3]], records["s4"].extra
+    assert sorted(records) == ["s1", "s2", "s3", "s4"]  # now: s1 removed
+
+
 @pytest.mark.dist
 def test_every_rank_of_the_refused_job_gets_the_refusal(tmp_path: Any) -> None:
     """Two ranks: rank 0 draws the number and refuses, the other rank gets the same class naming rank 0 (no
@@ -211,7 +235,9 @@ def test_a_per_save_checkpointer_goes_on_from_a_resume_through_another_spelling_
     assert not [r for r in caplog.records if "resumed none" in r.getMessage()]
 
 
-@pytest.mark.parametrize("resumed", ["through-the-link", "before-the-link-is-built-on"])
+@pytest.mark.parametrize(
+    "resumed", ["through-the-link", "before-the-link-is-built-on", "one-checkpointer-on-the-link", "smp-kept"]
+)
 def test_a_resume_goes_on_in_the_folder_it_resumed_not_where_a_link_points_later(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any, resumed: str
 ) -> None:
@@ -220,7 +246,9 @@ def test_a_resume_goes_on_in_the_folder_it_resumed_not_where_a_link_points_later
     go on from the a1 it resumed (that was run1's): run2's a1 is another job's, kept as abandoned with a warning.
     through-the-link (M1): the resume was through 'current', matched by resolving ResumeInfo.path at the save, when
     it named run2. before-the-link-is-built-on (M2): a Checkpointer built on 'current' while it named run1 kept that
-    key and saved into run2 going on from run1's resume. Before, both removed the other job's a1 from run2."""
+    key and saved into run2 going on from run1's resume. Before, both removed the other job's a1 from run2.
+    one-checkpointer-on-the-link, smp-kept (rev72j M1): the Checkpointer that resumed through 'current' (smp's kept
+    one) saves after the re-pointing: its counter held run1's history, so run2's a1 was removed with no warning."""
     run1, run2, link = tmp_path / "run1", tmp_path / "run2", tmp_path / "current"
     run1.mkdir()
     run2.mkdir()
@@ -234,14 +262,23 @@ def test_a_resume_goes_on_in_the_folder_it_resumed_not_where_a_link_points_later
     job[0] = "A"  # this job from here on
     keep1 = Retention(num_kept_partial_checkpoints=1)
     early = Checkpointer(str(link), retention=keep1) if resumed == "before-the-link-is-built-on" else None
-    with Checkpointer(str(link) if early is None else str(run1)) as first:
-        first.resume(model=m, optimizer=o)
+    same = Checkpointer(str(link), retention=keep1) if resumed == "one-checkpointer-on-the-link" else None
+    if resumed == "smp-kept":
+        resume_from_checkpoint(str(link), model=m, optimizer=o)
+    elif same is not None:
+        same.resume(model=m, optimizer=o)
+    else:
+        with Checkpointer(str(link) if early is None else str(run1)) as first:
+            first.resume(model=m, optimizer=o)
     assert last_resume_info().tag == "a1"
     link.unlink()
     link.symlink_to(run2)
     caplog.set_level(logging.WARNING)
-    with Checkpointer(str(run2), retention=keep1) if early is None else early as each:
-        each.save("b1", m, o)
+    if resumed == "smp-kept":
+        save_checkpoint(str(link), "b1", model=m, optimizer=o, num_kept_partial_checkpoints=1)
+    else:
+        with same or early or Checkpointer(str(run2), retention=keep1) as each:
+            each.save("b1", m, o)
     assert _committed(str(run2)) == ["a1", "b1"]  # before: ["b1"]
     assert _committed(str(run1)) == ["a1"]
     warned = [r.getMessage() for r in caplog.records if "resumed none" in r.getMessage()]

@@ -184,6 +184,12 @@ def test_tier_options_refused_by_name(tmp_path: Path, kwargs: dict[str, Any], me
     assert not (tmp_path / "durable").exists() and not (tmp_path / "fast").exists()
 
 
+@pytest.mark.parametrize("scheme", ["", "file://", "local://"])
+def test_local_path_as_a_local_url_is_the_folder(tmp_path: Path, scheme: str) -> None:
+    """rev72j L1: ``local://`` names local disk as ``file://`` does (Location takes both); it was refused as a URL."""
+    assert FastTier(local_path=f"{scheme}{tmp_path}/fast").local_path == f"{tmp_path}/fast"
+
+
 def test_local_path_apart_from_path_and_a_folder_refused_by_name(tmp_path: Path) -> None:
     """(one process) ``local_path`` equal to ``path``, inside it or containing it; a file; a folder
     that cannot be written: refused before anything is written, naming the argument."""

@@ -222,6 +222,23 @@ class ReservedKeys:
                         out.append(key)
         return out
 
+    def stateless_by_read_key(self, read: Sequence[str], saved: Sequence[str]) -> list[str]:
+        """The ``read`` keys (checkpoint keys) judged stateless by their literal ``optim.`` names (the judgement
+        before fix72j): ``optim.state.<fqn>.<name...>`` where ``<fqn>`` has ``optim.param_groups.<fqn>.`` keys in
+        ``saved`` (sorted) and nothing under ``optim.state.<fqn>.``. Sound where a name_map keeps the ``optim.``
+        prefix, whatever it does after it (a suffix ``k + "@v1"``, which :meth:`stateless_when_saved` does not
+        follow, fix72m); the resume takes the union of both."""
+        state, groups = f"{self.optim}.state.", f"{self.optim}.param_groups."
+        lo, hi = bisect.bisect_left(saved, groups), bisect.bisect_left(saved, groups[:-1] + "/")
+        params = {k[len(groups) :].rpartition(".")[0] for k in saved[lo:hi]}
+        out = []
+        for key in read:
+            if key.startswith(state) and (fqn := self.state_owner(key[len(state) :], params)) is not None:
+                i = bisect.bisect_left(saved, f"{state}{fqn}.")
+                if i == len(saved) or not saved[i].startswith(f"{state}{fqn}."):
+                    out.append(key)
+        return out
+
     def in_own_dtype(self, keys: Mapping[str, str], saved: Mapping[str, Any]) -> list[str]:
         """The optimizer state ``keys`` (a destination key -> the checkpoint key read for it, the model's
         keys too) saved in a dtype other than their parameter's, both as saved (``saved``: the checkpoint's

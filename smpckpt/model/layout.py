@@ -208,9 +208,17 @@ class ReservedKeys:
             i = bisect.bisect_left(saved, key)
             return i < len(saved) and saved[i] == key
 
-        # the parameters whose param groups the checkpoint holds; hyper-parameter names hold no dots: what is
-        # in front of the last one is the parameter's FQN
-        held = {k[len(groups) :].rpartition(".")[0] for k, r in keys.items() if k.startswith(groups) and has(r)}
+        # the parameters whose param groups the checkpoint holds, of those a missing key may be state of (rev72l
+        # L2: a bisect for each of them alone); hyper-parameter names hold no dots: what is in front of the last
+        # one is the parameter's FQN
+        maybe: set[str] = set()
+        for parts in (k[len(state) :].split(".") for k in missing if k.startswith(state)):
+            maybe.update(".".join(parts[:i]) for i in range(1, len(parts)))
+        held = {
+            f
+            for k, r in keys.items()
+            if k.startswith(groups) and (f := k[len(groups) :].rpartition(".")[0]) in maybe and has(r)
+        }
         out = []
         for key in missing:
             if key.startswith(state) and (fqn := self.state_owner(key[len(state) :], held)) is not None:

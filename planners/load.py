@@ -295,8 +295,10 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if not missing:
             return set()
         asked = {e.local_key: sources.get(k, k) for k, e in self.entries.items()}
-        none = set(RESERVED.stateless_when_saved([self.entries[k].local_key for k in missing], asked, sorted(md_all)))
-        return {k for k in missing if self.entries[k].local_key in none}
+        saved, read = sorted(md_all), {k: sources.get(k, k) for k in missing}
+        none = set(RESERVED.stateless_when_saved([self.entries[k].local_key for k in missing], asked, saved))
+        by_read = set(RESERVED.stateless_by_read_key(list(read.values()), saved))  # a suffix map too (fix72m)
+        return {k for k in missing if self.entries[k].local_key in none or read[k] in by_read}
 
     def _reads_into(self, entry: Entry) -> Entry:
         """The entry to plan reads for: one reading into scratch for a tied key the checkpoint holds

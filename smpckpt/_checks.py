@@ -4,7 +4,7 @@ runs -- never a truthy string taken for ``True`` or a negative count failing dee
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from itertools import chain, repeat
+from itertools import chain
 from typing import Any
 
 __all__ = ["check_flag", "check_int", "check_process_group", "refuse_unflattenable"]
@@ -53,37 +53,45 @@ def refuse_unflattenable(model: Any, optimizers: Sequence[Any]) -> None:
     name) holding a ``.`` or not a ``str`` would come back restructured (``{"x.y": t}`` as ``{"x": {"y": t}}``,
     ``{0: t}`` as ``{"0": t}``), so it is refused too. A top-level state name is looked up whole: any is fine,
     unless it flattens onto another value (:func:`_refuse_clashing`)."""
-    import torch
-
-    kinds = (torch.Tensor, int, float)
     for i, opt in enumerate(optimizers):
-        nested: list[Any] = []  # each parameter's state the walk saw nested state in
         # what DCP flattens is state_dict()["state"] (keyed by the parameter's index): built only when it may differ
         # from opt.state (an override or a state_dict hook: rev72i) or opt.state holds an odd value (rare)
         walked = opt.state if _plain_state_dict(opt) else opt.state_dict()["state"]
+        _refuse_states(model, i, opt, walked, walked)
+
+
+def _refuse_states(model: Any, i: int, opt: Any, walked: Mapping[Any, Any], tree: Mapping[Any, Any]) -> None:
+    """:func:`refuse_unflattenable`'s judgement of optimizer ``i``'s states ``tree`` (``walked``'s, or some of them:
+    the state a resume just gave some parameters, fix72m): a value DCP does not keep, an inner key not a dot-free
+    ``str``, two values flattening into one key. ``walked``: ``opt.state`` or ``opt.state_dict()["state"]``."""
+    import torch
+
+    kinds = (torch.Tensor, int, float)
+    nested: list[Any] = []  # each parameter's state the walk saw nested state in
+    odd = _first_odd(tree, kinds, 0, nested)
+    if odd is not None and walked is opt.state and tree is walked:
+        walked = tree = opt.state_dict()["state"]
+        nested = []
         odd = _first_odd(walked, kinds, 0, nested)
-        if odd is not None and walked is opt.state:
-            walked, nested = opt.state_dict()["state"], []
-            odd = _first_odd(walked, kinds, 0, nested)
-        if odd is not None:
-            (index, *key), value = odd
-            name, at = _param_name(model, opt, walked, index), ".".join(map(str, key))
-            if isinstance(value, _BadKey):
-                raise ValueError(
-                    f"optimizer {i} ({type(opt).__name__}) holds a dict under state key {at!r} of parameter "
-                    f"{name!r} with the inner key {value.key!r}: torch.distributed.checkpoint joins nested "
-                    "optimizer state keys with '.' and splits them again at the load, so it would come back "
-                    "restructured; use str inner keys without '.', or leave the optimizer out of optimizer= "
-                    "and put its state_dict() in user_content"
-                )
-            raise TypeError(
-                f"optimizer {i} ({type(opt).__name__}) holds a {type(value).__name__} under state key {at!r} "
-                f"of parameter {name!r}: torch.distributed.checkpoint keeps only tensor, int, float and dict "
-                "optimizer state; leave it out of optimizer= and put its state_dict() in user_content"
+    if odd is not None:
+        (index, *key), value = odd
+        name, at = _param_name(model, opt, walked, index), ".".join(map(str, key))
+        if isinstance(value, _BadKey):
+            raise ValueError(
+                f"optimizer {i} ({type(opt).__name__}) holds a dict under state key {at!r} of parameter "
+                f"{name!r} with the inner key {value.key!r}: torch.distributed.checkpoint joins nested "
+                "optimizer state keys with '.' and splits them again at the load, so it would come back "
+                "restructured; use str inner keys without '.', or leave the optimizer out of optimizer= "
+                "and put its state_dict() in user_content"
             )
-        odd_names = _odd_names(nested) if nested else None
-        if odd_names:
-            _refuse_clashing(model, i, opt, walked, nested, all_str=odd_names == "dotted")
+        raise TypeError(
+            f"optimizer {i} ({type(opt).__name__}) holds a {type(value).__name__} under state key {at!r} "
+            f"of parameter {name!r}: torch.distributed.checkpoint keeps only tensor, int, float and dict "
+            "optimizer state; leave it out of optimizer= and put its state_dict() in user_content"
+        )
+    odd_names = _odd_names(nested) if nested else None
+    if odd_names:
+        _refuse_clashing(model, i, opt, walked, nested, all_str=odd_names == "dotted")
 
 
 def _plain_state_dict(opt: Any) -> bool:
@@ -99,23 +107,20 @@ def _plain_state_dict(opt: Any) -> bool:
 
 
 def refuse_clashing_new_state(model: Any, i: int, opt: Any, params: Sequence[Any]) -> None:
-    """The clash check of :func:`refuse_unflattenable` on the state a resume's step at lr 0 just gave ``params``
-    of optimizer ``i`` (a fresh one was checked while it had none: from a checkpoint written before the check,
-    its clashing state loaded silently wrong, fix72j). Only a state holding nested state is looked at further.
-    Refused, ``params`` are left without state, as they came."""
+    """The checks of :func:`refuse_unflattenable` on the state a resume's step at lr 0 just gave ``params`` of
+    optimizer ``i`` (a fresh one was checked while it had none: from a checkpoint written before the checks, its
+    clashing state loaded silently wrong, fix72j, and so did a dotted or non-str inner key, fix72m). Refused,
+    ``params`` are left without state, as they came."""
     walked, keys = opt.state, list(params)
     if not _plain_state_dict(opt):  # judged on what DCP loads into, as at the save (rev72i)
         index = {id(q): k for k, q in enumerate(q for g in opt.param_groups for q in g["params"])}
         walked, keys = opt.state_dict()["state"], [index.get(id(p)) for p in params]
-    nested = [st for k in keys if (st := walked.get(k)) and any(map(isinstance, st.values(), repeat(dict)))]
-    odd_names = _odd_names(nested) if nested else None
-    if odd_names:
-        try:
-            _refuse_clashing(model, i, opt, walked, nested, all_str=odd_names == "dotted")
-        except ValueError:
-            for p in params:
-                opt.state.pop(p, None)
-            raise
+    try:
+        _refuse_states(model, i, opt, walked, {k: st for k in keys if (st := walked.get(k)) is not None})
+    except (ValueError, TypeError):
+        for p in params:
+            opt.state.pop(p, None)
+        raise
 
 
 def _odd_names(states: list[Any]) -> str | None:

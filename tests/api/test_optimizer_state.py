@@ -853,8 +853,22 @@ def _tensors(state: Any) -> list[torch.Tensor]:
             "'0.weight': the load reads every key under 'optim.state.0.weight.nest.' back into the nested state, "
             "so the first would come back inside the second; rename one of those state keys",
         ),
+        (
+            lambda p: {"nest": {"x.y": torch.zeros_like(p)}},
+            "optimizer 0 (_Clash) holds a dict under state key 'nest' of parameter '0.weight' with the inner key "
+            "'x.y': torch.distributed.checkpoint joins nested optimizer state keys with '.' and splits them again "
+            "at the load, so it would come back restructured; use str inner keys without '.', or leave the "
+            "optimizer out of optimizer= and put its state_dict() in user_content",
+        ),
+        (
+            lambda p: {"nest": {0: torch.zeros_like(p)}},
+            "optimizer 0 (_Clash) holds a dict under state key 'nest' of parameter '0.weight' with the inner key "
+            "0: torch.distributed.checkpoint joins nested optimizer state keys with '.' and splits them again at "
+            "the load, so it would come back restructured; use str inner keys without '.', or leave the "
+            "optimizer out of optimizer= and put its state_dict() in user_content",
+        ),
     ],
-    ids=["dotted-beside-nested", "dotted-under-nested"],
+    ids=["dotted-beside-nested", "dotted-under-nested", "inner-dotted", "inner-int"],
 )
 def test_optimizer_state_keys_that_flatten_into_one_are_refused_by_name(
     tmp_path: Any, state: Any, want: str, monkeypatch: Any
@@ -865,7 +879,10 @@ def test_optimizer_state_keys_that_flatten_into_one_are_refused_by_name(
     "nest.w": t}``) came back inside ``nest`` too. Refused at the save, nothing written, and at the resume.
     fix72j: a fresh optimizer (no state until the resume's step at lr 0 gives it some) resumed from a checkpoint
     written before the check existed was checked while empty and came back silently wrong (both values the one
-    saved; ``nest`` gaining ``w``): its new state is checked too, refused by name, and it is left fresh."""
+    saved; ``nest`` gaining ``w``): its new state is checked too, refused by name, and it is left fresh. fix72m: for
+    an inner key with a ``.`` or not a ``str`` as well (``{"nest": {"x.y": t}}`` came back restructured); and a
+    live optimizer's parameter without state, given it from a scratch optimizer, is judged too (the live state
+    kept, the new one dropped)."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(3, 2))
     o = _Clash(m.parameters(), state)
@@ -888,6 +905,30 @@ def test_optimizer_state_keys_that_flatten_into_one_are_refused_by_name(
         resume_from_checkpoint(str(tmp_path), "old", model=fresh_m, optimizer=fresh_o)
     assert str(resuming.value).startswith(want)
     assert not fresh_o.state and all(p.grad is None for p in fresh_m.parameters())
+
+    def weight_plain(p: torch.Tensor) -> Any:  # the weight's state harmless, the bias's odd
+        return {"plain": torch.zeros_like(p)} if p.ndim == 2 else state(p)
+
+    class _Scratchable(_Clash):  # built from its groups alone: the resume's scratch copy for a stateless parameter
+        def __init__(self, params: Any, layout: Any = weight_plain) -> None:
+            super().__init__(params, layout)
+
+    o = _Scratchable(m.parameters())
+    m(torch.randn(2, 3)).sum().backward()
+    o.step()
+    with monkeypatch.context() as before_the_check:
+        before_the_check.setattr(smpckpt.api.checkpointer, "refuse_unflattenable", lambda *a: None)
+        save_checkpoint(str(tmp_path), "mixed", model=m, optimizer=o)
+    live_m = nn.Sequential(nn.Linear(3, 2))
+    live_o = _Scratchable(live_m.parameters())
+    live_m[0].weight.grad = torch.ones_like(live_m[0].weight)
+    live_o.step()  # live state for the weight alone: the bias's comes from a scratch optimizer at the resume
+    kept = {k: v.clone() for k, v in live_o.state[live_m[0].weight].items()}
+    with pytest.raises(ValueError) as resuming:
+        resume_from_checkpoint(str(tmp_path), "mixed", model=live_m, optimizer=live_o)
+    assert str(resuming.value).startswith(want.replace("(_Clash)", "(_Scratchable)").replace("0.weight", "0.bias"))
+    assert live_m[0].bias not in live_o.state and live_o.state[live_m[0].weight].keys() == kept.keys()
+    assert all(torch.equal(live_o.state[live_m[0].weight][k], v) for k, v in kept.items())
 
 
 def test_a_clash_within_one_parameters_state_is_found_and_healthy_nested_state_is_not_one() -> None:
@@ -1293,7 +1334,10 @@ def test_state_saved_in_its_parameters_dtype_follows_a_model_cast_at_the_resume(
     assert _equal(m2, m3)
 
 
-@pytest.mark.parametrize("name_map", list(_MAPS.values()), ids=list(_MAPS))
+_STATELESS_MAPS = {**_MAPS, "suffix": lambda k: k + "@v1"}  # suffix: keeps optim., not the ".<name>" tail (fix72m)
+
+
+@pytest.mark.parametrize("name_map", list(_STATELESS_MAPS.values()), ids=list(_STATELESS_MAPS))
 def test_a_parameter_saved_without_optimizer_state_resumes_without_it_through_a_name_map(
     tmp_path: Any, name_map: Any
 ) -> None:
@@ -1301,7 +1345,9 @@ def test_a_parameter_saved_without_optimizer_state_resumes_without_it_through_a_
     the checkpoint's ``optim.param_groups.`` / ``optim.state.`` keys read by their literal prefix: through a
     name_map moving the ``optim.`` prefix a strict resume refused its own checkpoint ("6 keys are not in the
     checkpoint: opt.state.1.weight.step, ..."). Judged by the mapped names now: stateless, the rest bit-exact.
-    State the checkpoint does lack (an amsgrad moment it never held) is still refused under the map."""
+    State the checkpoint does lack (an amsgrad moment it never held) is still refused under the map. fix72m: a
+    suffix map (``k + "@v1"``), loaded before fix72j, was refused by it: the literal judgement of the keys read
+    is taken beside the mapped one."""
     sharding = smpckpt.Sharding(name_map=name_map)
     m, o = unused_branch_model()
     unused_branch_step(m, o, both=False)  # layer 1: no gradient, no state

@@ -57,6 +57,7 @@ def refuse_unflattenable(model: Any, optimizers: Sequence[Any]) -> None:
 
     kinds = (torch.Tensor, int, float)
     for i, opt in enumerate(optimizers):
+        _refuse_stray_keys(i, opt)
         nested: list[Any] = []  # each parameter's state the walk saw nested state in
         walked = opt.state
         if _first_odd(walked, kinds, 0, nested) is not None:  # rare: no state_dict() built in the common case
@@ -80,6 +81,29 @@ def refuse_unflattenable(model: Any, optimizers: Sequence[Any]) -> None:
                 )
         if nested and _odd_names(nested):
             _refuse_clashing(model, i, opt, walked, nested)
+
+
+def _refuse_stray_keys(i: int, opt: Any) -> None:
+    """State under a key of ``opt.state`` that is none of its parameters (a count of its own, as some LAMB and
+    Shampoo ports keep; a parameter taken out of its groups): DCP's ``get_state_dict`` (and, for a tensor, the
+    optimizer's own ``state_dict()``) fails on it with a bare ``KeyError``. One pass over the groups and the keys."""
+    import torch
+
+    stray = next((k for k in opt.state if not isinstance(k, torch.Tensor)), None)
+    if stray is not None:
+        raise ValueError(
+            f"optimizer {i} ({type(opt).__name__}) holds state under the key {stray!r}, which is not one of its "
+            "parameters: torch.distributed.checkpoint keeps optimizer state per parameter and fails on it; leave "
+            "it out of optimizer= and put its state_dict() in user_content, or keep that state under a parameter"
+        )
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    t = next((k for k in opt.state if id(k) not in held), None)
+    if t is not None:
+        raise ValueError(
+            f"optimizer {i} ({type(opt).__name__}) holds state under a tensor of shape {tuple(t.shape)} that is in "
+            "none of its param_groups (a parameter taken out of them?): its state_dict() and "
+            "torch.distributed.checkpoint fail on it; drop that state (del optimizer.state[tensor]) before saving"
+        )
 
 
 def _odd_names(states: list[Any]) -> bool:

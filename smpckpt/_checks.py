@@ -54,10 +54,34 @@ def refuse_unflattenable(model: Any, optimizers: Sequence[Any]) -> None:
     ``{0: t}`` as ``{"0": t}``), so it is refused too. A top-level state name is looked up whole: any is fine,
     unless it flattens onto another value (:func:`_refuse_clashing`)."""
     for i, opt in enumerate(optimizers):
+        _refuse_stray_keys(i, opt)
         # what DCP flattens is state_dict()["state"] (keyed by the parameter's index): built only when it may differ
         # from opt.state (an override or a state_dict hook: rev72i) or opt.state holds an odd value (rare)
         walked = opt.state if _plain_state_dict(opt) else opt.state_dict()["state"]
         _refuse_states(model, i, opt, walked, walked)
+
+
+def _refuse_stray_keys(i: int, opt: Any) -> None:
+    """State under a key of ``opt.state`` that is none of its parameters (a count of its own, as some LAMB and
+    Shampoo ports keep; a parameter taken out of its groups): DCP's ``get_state_dict`` (and, for a tensor, the
+    optimizer's own ``state_dict()``) fails on it with a bare ``KeyError``. One pass over the groups and the keys."""
+    import torch
+
+    stray = next((k for k in opt.state if not isinstance(k, torch.Tensor)), None)
+    if stray is not None:
+        raise ValueError(
+            f"optimizer {i} ({type(opt).__name__}) holds state under the key {stray!r}, which is not one of its "
+            "parameters: torch.distributed.checkpoint keeps optimizer state per parameter and fails on it; leave "
+            "it out of optimizer= and put its state_dict() in user_content, or keep that state under a parameter"
+        )
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    t = next((k for k in opt.state if id(k) not in held), None)
+    if t is not None:
+        raise ValueError(
+            f"optimizer {i} ({type(opt).__name__}) holds state under a tensor of shape {tuple(t.shape)} that is in "
+            "none of its param_groups (a parameter taken out of them?): its state_dict() and "
+            "torch.distributed.checkpoint fail on it; drop that state (del optimizer.state[tensor]) before saving"
+        )
 
 
 def _refuse_states(model: Any, i: int, opt: Any, walked: Mapping[Any, Any], tree: Mapping[Any, Any]) -> None:

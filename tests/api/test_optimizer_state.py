@@ -714,6 +714,46 @@ def test_an_optimizer_holding_list_state_is_refused_by_index_and_key(tmp_path: A
     save_checkpoint(str(tmp_path), "full", partial=False, model=m, optimizer=lbfgs)
 
 
+class _GlobalCount(torch.optim.SGD):
+    """Keeps a step count under a key of its own in ``self.state``, not under a parameter (as some LAMB and
+    Shampoo ports do): its ``state_dict()`` keeps the key, DCP's ``get_state_dict`` fails on it."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        self.state["global"]["count"] = self.state["global"].get("count", 0) + 1
+        return super().step()
+
+
+def test_optimizer_state_under_a_key_that_is_no_parameter_is_refused_by_name(tmp_path: Any) -> None:
+    """hunt72d: state under a key of ``opt.state`` that is not one of the optimizer's parameters failed a save with
+    DCP's bare ``KeyError: 'global'`` (naming neither the optimizer nor what to do); refused up front now, by name,
+    nothing written, on a save and on a resume into such a live optimizer alike; its ``state_dict()`` in
+    ``user_content`` round-trips."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    adam, odd = torch.optim.Adam(m[0].parameters()), _GlobalCount(m[1].parameters(), lr=0.1)
+    m(torch.randn(3, 4)).pow(2).sum().backward()
+    adam.step()
+    odd.step()
+    want = r"optimizer 1 \(_GlobalCount\) holds state under the key 'global', which is not one of its parameters"
+    with pytest.raises(ValueError, match=want):
+        save_checkpoint(str(tmp_path), "a", model=m, optimizer=[adam, odd])
+    assert not list(tmp_path.iterdir())
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=adam, user_content={"odd": odd.state_dict()})
+    with pytest.raises(ValueError, match=want):
+        resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=[adam, odd])
+    again = _GlobalCount(m[1].parameters(), lr=0.1)
+    again.load_state_dict(resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=adam)["odd"])
+    assert again.state["global"] == {"count": 1}
+    # a tensor key outside its param groups (state of a parameter taken out of them): torch's own state_dict()
+    # fails on it with a bare KeyError too
+    stray = nn.Parameter(torch.ones(2))
+    odd.state.pop("global")
+    odd.state[stray]["momentum_buffer"] = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"optimizer 0 \(_GlobalCount\) holds state under a tensor of shape \(2,\)"):
+        save_checkpoint(str(tmp_path), "b", model=m, optimizer=odd)
+
+
 class _Packed(torch.optim.SGD):
     """Keeps a list in its live state; its state_dict() (what DCP flattens) packs it into a tensor, or with
     ``nested`` keeps it inside a dict."""

@@ -822,7 +822,6 @@ _PREFIX_MAPS = {  # as tests/api/test_optimizer_state.py's _MAPS: name_maps movi
 }
 
 
-@pytest.mark.xfail(strict=True, raises=smpckpt.LayoutMismatch, reason="rev72l H1: tie state followed by mapped names")
 @pytest.mark.parametrize("name_map", list(_PREFIX_MAPS.values()), ids=list(_PREFIX_MAPS))
 def test_a_tie_held_apart_loads_its_kept_copys_optimizer_state_through_a_name_map(
     tmp_path: Path, name_map: Any

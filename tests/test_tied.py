@@ -845,3 +845,14 @@ def test_a_tie_held_apart_loads_its_kept_copys_optimizer_state_through_a_name_ma
             assert torch.equal(dst.embed.weight, kept), (keep, strict)
             for name in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(dopt.state[dst.embed.weight][name], opt.state[kept][name]), (keep, strict, name)
+    # equal weights, differing moments, no keep_tied: refused naming the mapped keys (and mapped keep_tied advice)
+    with torch.no_grad():
+        src.head.weight.copy_(src.embed.weight)
+    smpckpt.save_checkpoint(str(tmp_path), "b", model=src, optimizer=opt, options=sharding)
+    dst = _EmbedHead(tied=True)
+    with pytest.raises(smpckpt.LayoutMismatch) as caught:
+        smpckpt.resume_from_checkpoint(
+            str(tmp_path), "b", model=dst, optimizer=torch.optim.Adam(dst.parameters()), options=sharding
+        )
+    want = f"'{name_map('optim.state.head.weight.exp_avg')}' and '{name_map('optim.state.embed.weight.exp_avg')}'"
+    assert want in str(caught.value) and f"keep_tied=['{name_map('model.embed.weight')}']" in str(caught.value)

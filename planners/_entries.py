@@ -11,7 +11,7 @@ import hashlib
 import io
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -239,8 +239,9 @@ class _EntryMaker:
         coords: RankCoords,
         layout: ParallelLayout,
         stored: Mapping[str, Any] | None,
+        to_global: Callable[[str], str] | None = None,
     ) -> None:
-        self.rules = rules
+        self.rules, self.to_global = rules, to_global  # to_global: a name map's (optimizer-state inheritance)
         #: a load's checkpoint keys (``None`` at a save): a destination not plain is refused only where read
         self.stored = stored
         self.prefixes = prefixes
@@ -272,7 +273,7 @@ class _EntryMaker:
             # a load's destination the checkpoint lacks is never read: missing (allow_partial_load, optional=)
             # as any other key, not refused (rev69f F3); an object entry asks nothing of its tensor
             return Entry(local_key, key, path, "object", value, rank_local=is_local)
-        matched = None if is_local else self.rules.match(key, self.prefixes)
+        matched = None if is_local else self.rules.match(key, self.prefixes, local_key, self.to_global)
         shape = value.shape  # read once: every branch below needs it
         if matched is not None:
             specs, inherited_from = matched
@@ -421,7 +422,8 @@ class LayoutScope:
             str(p[0]): 0 for k, p in local_paths.items() if len(p) > 1 and not k.startswith(OPTIMIZER_STATE_PREFIXES)
         }
         prefixes = tuple(tops)
-        entry = _EntryMaker(self.rules, prefixes, by_global, coords, layout, stored).entry
+        named = mapper.to_global if self.name_map is not None else None
+        entry = _EntryMaker(self.rules, prefixes, by_global, coords, layout, stored, named).entry
         rank_local, held, self.held_keys, self.held_split = self._rank_local, self._held, [], []
         for local_key, value in flat.items():
             key = local_key

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import re
 import warnings
-from collections.abc import Mapping, Set
+from collections.abc import Callable, Mapping, Set
 from typing import Any
 
 import torch
@@ -190,6 +190,45 @@ def _conjugate_twin(entries: Mapping[str, Entry], key: str, first: str) -> bool:
     return True
 
 
+#: the keys of a parameter's optimizer state: ``optim.state.<parameter>.<name>`` and its param group's
+_STATE_PREFIXES = (f"{RESERVED.optim}.state.", f"{RESERVED.optim}.param_groups.")
+
+
+def _local_names(entries: Mapping[str, Entry], name_map: Callable[[str], str] | None) -> dict[str, str]:
+    """Each entry's key -> its name before ``name_map`` (its key itself without one: a pipeline stage's layers
+    renumbered alike for ``model.`` and ``optim.``)."""
+    return {k: e.local_key for k, e in entries.items()} if name_map is not None else dict(zip(entries, entries))
+
+
+def _saved_state_keys(
+    md_all: Mapping[str, Any],
+    starts: tuple[str, ...],
+    split: Callable[[str], tuple[str, str, str] | None],
+    names: Mapping[str, Any],
+    name_map: Callable[[str], str] | None,
+) -> list[tuple[str, tuple[str, str, str]]]:
+    """The checkpoint keys (``md_all``) that are the optimizer state of a parameter in ``names`` (destination names,
+    before ``name_map``; ``starts``: their state's prefixes), each with its (prefix, parameter name, rest). Under
+    a map: found by each name's mapped prefix, every one checked by mapping it back (a map that moves no prefix
+    finds none)."""
+    if name_map is None:
+        return [(key, found) for key in md_all if key.startswith(starts) and (found := split(key)) is not None]
+    mapped = {}
+    for p in _STATE_PREFIXES:
+        for name in names:
+            if (probe := name_map(p + name + ".\x00")).endswith(".\x00"):
+                mapped[probe[:-1]] = (p, name)
+    by_length = tuple(sorted(mapped, key=len, reverse=True))
+    saved = []
+    for key in [k for k in md_all if k.startswith(by_length)]:
+        for pre in (q for q in by_length if key.startswith(q)):
+            p, name = mapped[pre]
+            if name_map(p + name + (rest := key[len(pre) - 1 :])) == key:
+                saved.append((key, (p, name, rest)))
+                break
+    return saved
+
+
 class TiedLoads:
     """One load's tied keys: where each is read from, and the comparisons of values held apart."""
 
@@ -214,6 +253,7 @@ class TiedLoads:
         saved_tied: Mapping[str, str],
         md_all: Mapping[str, Any],
         rank: int,
+        name_map: Callable[[str], str] | None = None,
     ) -> None:
         """Decide, for ``rank``'s destination ``entries``, from the checkpoint's keys ``md_all``.
 
@@ -273,11 +313,17 @@ class TiedLoads:
             # the optimizer state follows the stored tensor read: held apart, or stored under another key than
             # the destination's first (a head declared first, rev62h F5); compared only for a key that holds
             # its own copy (an alias's state lies under its stored key, rev62i F1)
-            if (len(set(src.values())) > 1 or src.get(reader, reader) != keys[0]) and all(
-                k.startswith(model) for k in keys
+            # Named by the destination's keys before a name_map (which may move ``model.``/``optim.``, rev72l
+            # H1), the checkpoint's keys built from them through the map (``_optimizer_state``)
+            local = {k: entries[k].local_key if name_map is not None and k in entries else k for k in keys}
+            kept_as = next((local[k] for k in keys if k == src.get(reader)), None if name_map else src.get(reader))
+            if (
+                (len(set(src.values())) > 1 or src.get(reader, reader) != keys[0])
+                and kept_as is not None
+                and all(n.startswith(model) for n in (kept_as, *local.values()))
             ):
                 names.update(
-                    (k[len(model) :], (src[reader][len(model) :], src.get(k) == k and k in seen - {src[reader]}))
+                    (local[k][len(model) :], (kept_as[len(model) :], src.get(k) == k and k in seen - {src[reader]}))
                     for k in keys
                 )
         # a key absent from the checkpoint is read from another only as an alias it lists: those looked up,
@@ -290,17 +336,22 @@ class TiedLoads:
                 elif key not in md_all and (source := stored(key)) is not None:
                     self.sources[key] = source
         if names:
-            self._optimizer_state(names, entries, md_all, rank)
+            self._optimizer_state(names, entries, md_all, rank, name_map)
 
     def _optimizer_state(
-        self, names: dict[str, tuple[str, bool]], entries: dict[str, Entry], md_all: Mapping[str, Any], rank: int
+        self,
+        names: dict[str, tuple[str, bool]],
+        entries: dict[str, Entry],
+        md_all: Mapping[str, Any],
+        rank: int,
+        name_map: Callable[[str], str] | None = None,
     ) -> None:
         """The optimizer state of a tied parameter the checkpoint holds apart (pipeline stages each held a
         copy; ``names``: each copy's parameter name -> the name loaded, and whether to compare) follows its
         weights: read from the key loaded, each other copy's state compared with it (objects too: an lr, a
         Python step, rev62g F5), never one key's weights with the other's moments (hunt62a). Adds the
         compared entries (an object's with no path: read, compared by ``object_read``, set nowhere)."""
-        prefixes = (f"{RESERVED.optim}.state.", f"{RESERVED.optim}.param_groups.")
+        prefixes = _STATE_PREFIXES
 
         def split(key: str) -> tuple[str, str, str] | None:  # (prefix, parameter name, rest) of such a key
             for p in prefixes:
@@ -308,12 +359,17 @@ class TiedLoads:
                     return p, name, key[len(p) + len(name) :]
             return None
 
+        # ``names`` are the destination's (before a name_map), the checkpoint's keys theirs through the map
+        # (rev72l H1: a map moving ``model.``/``optim.`` lost the state's tie, or loaded the other copy's)
+        glob_ = name_map if name_map is not None else str
         # only keys under such a name's prefixes are split (a C-level filter, rev62k F2: splitting every key
         # of a large model cost seconds per resume)
         starts = tuple(p + name + "." for p in prefixes for name in names)
         asked = False  # whether this load asks for such a parameter's optimizer state (a model-only one: not)
-        for key in [k for k in entries if k.startswith(starts) and k not in self.sources]:
-            if (found := split(key)) is not None and (source := found[0] + names[found[1]][0] + found[2]) != key:
+        named = _local_names(entries, name_map)
+        for key in [k for k, n in named.items() if n.startswith(starts) and k not in self.sources]:
+            found = split(named[key])
+            if found is not None and (source := glob_(found[0] + names[found[1]][0] + found[2])) != key:
                 self.sources[key] = source  # the dest's name (its first key) may be the copy not loaded
             asked = asked or found is not None
         back: dict[str, list[str]] = {}
@@ -326,7 +382,7 @@ class TiedLoads:
                 return next(k for k in reversed(entries) if self.sources.get(k, k) == source)
             return next(iter(readers), None)
 
-        saved = [(key, found) for key in md_all if key.startswith(starts) and (found := split(key)) is not None]
+        saved = _saved_state_keys(md_all, starts, split, names, name_map)
         held: dict[str, set[tuple[str, str]]] = {}  # each copy's name -> its saved keys (prefix, rest)
         for _, (prefix, name, rest) in saved:
             held.setdefault(name, set()).add((prefix, rest))
@@ -334,11 +390,14 @@ class TiedLoads:
         for name, (kept, compared) in names.items():
             one, other = held.get(name, set()), held.get(kept, set())
             if compared and asked and one != other:  # one copy saved without state (frozen): nothing to compare
-                odd = sorted({p + name + r for p, r in one - other} | {p + kept + r for p, r in other - one})
+                odd = sorted(
+                    {glob_(p + name + r) for p, r in one - other} | {glob_(p + kept + r) for p, r in other - one}
+                )
+                first, second = glob_(model + name), glob_(model + kept)
                 raise LayoutMismatch(
-                    f"rank {rank}: '{model}{name}' and '{model}{kept}' are one tensor in the model (tied), but the checkpoint "
+                    f"rank {rank}: '{first}' and '{second}' are one tensor in the model (tied), but the checkpoint "
                     f"holds them apart with different optimizer state: only one holds {', '.join(odd[:6])}. Pass "
-                    f"keep_tied=['{model}{kept}'] (or ['{model}{name}']) to load that one and ignore the other"
+                    f"keep_tied=['{second}'] (or ['{first}']) to load that one and ignore the other"
                 )
         for key, found in saved:
             if names[found[1]][0] == found[1]:
@@ -347,13 +406,13 @@ class TiedLoads:
             if (
                 not names[found[1]][1]
                 or key in entries
-                or (dest := loaded(found[0] + names[found[1]][0] + found[2])) is None
+                or (dest := loaded(glob_(found[0] + names[found[1]][0] + found[2]))) is None
             ):
                 self.covered.append(key)
             else:  # read into scratch like the dest, compared with it once both are in
                 entries[key] = dataclasses.replace(entries[dest], key=key, local_key=key, path=())
                 self.compare[key] = dest
-                self._keep[key] = (f"{RESERVED.model}.{names[found[1]][0]}", f"{RESERVED.model}.{found[1]}")
+                self._keep[key] = (glob_(f"{model}{names[found[1]][0]}"), glob_(f"{model}{found[1]}"))
 
     def count(self, items: list[ReadItem]) -> None:
         """(after the local plan) The reads (tensor pieces, or an object) each compared key and its loaded key

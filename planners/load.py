@@ -195,7 +195,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         fast = 0
         hints: dict[tuple[Any, ...], int] = {}  # for _exact_chunk
         ties = self._ties
-        ties.plan(self.entries, self.dest_tied, self.saved_tied, md_all, self.rank)
+        ties.plan(self.entries, self.dest_tied, self.saved_tied, md_all, self.rank, self.name_map)
         sources, through, tied_covered = ties.sources, ties.through, ties.covered
         # destinations overlapping another's memory (not tied: another view): read into scratch, checked
         shared = self._shared

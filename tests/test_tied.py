@@ -812,3 +812,47 @@ def test_an_old_checkpoint_tying_a_conjugate_view_to_its_base_resumes_as_it_did(
         smpckpt.resume_from_checkpoint(str(tmp_path / "c"), "t", model=dst)
     saved = torch.tensor([1 + 2j, -3 + 0.5j, 4 - 1j])  # make_quantized_conj_v0.py's Conj.w
     assert torch.equal(dst.w.detach(), saved) and torch.equal(dst.wc.resolve_conj(), saved.conj())
+
+
+_PREFIX_MAPS = {  # as tests/api/test_optimizer_state.py's _MAPS: name_maps moving the model's or optimizer's prefix
+    "model-to-net": lambda k: "net." + k[6:] if k.startswith("model.") else k,
+    "model-only-under-body": lambda k: "model.body." + k[6:] if k.startswith("model.") else k,
+    "optim-to-opt": lambda k: "opt." + k[6:] if k.startswith("optim.") else k,
+    "all-under-stage": lambda k: "stage/" + k if k.startswith(("model.", "optim.")) else k,
+}
+
+
+@pytest.mark.parametrize("name_map", list(_PREFIX_MAPS.values()), ids=list(_PREFIX_MAPS))
+def test_a_tie_held_apart_loads_its_kept_copys_optimizer_state_through_a_name_map(
+    tmp_path: Path, name_map: Any
+) -> None:
+    """rev72l H1: copies of a tie saved apart, resumed into a tied model under a prefix-moving name_map: strict
+    was refused ("14 checkpoint keys are loaded by no rank: opt.param_groups.head.weight.amsgrad, ..."), and
+    strict=False loaded the kept copy's weights with the other copy's moments (silently)."""
+    src = _EmbedHead(tied=False)
+    opt = torch.optim.Adam(src.parameters(), lr=0.1)
+    src.embed.weight.grad, src.head.weight.grad = torch.full((6, 3), -0.25), torch.full((6, 3), 0.5)
+    opt.step()
+    sharding = smpckpt.Sharding(name_map=name_map)
+    smpckpt.save_checkpoint(str(tmp_path), "a", model=src, optimizer=opt, options=sharding)
+    for kept in (src.head.weight, src.embed.weight):
+        keep = name_map("model.head.weight" if kept is src.head.weight else "model.embed.weight")
+        for strict in (True, False):
+            dst = _EmbedHead(tied=True)
+            dopt = torch.optim.Adam(dst.parameters(), lr=0.1)
+            options = [sharding, smpckpt.ResumeOptions(keep_tied=[keep], strict=strict)]
+            smpckpt.resume_from_checkpoint(str(tmp_path), "a", model=dst, optimizer=dopt, options=options)
+            assert torch.equal(dst.embed.weight, kept), (keep, strict)
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(dopt.state[dst.embed.weight][name], opt.state[kept][name]), (keep, strict, name)
+    # equal weights, differing moments, no keep_tied: refused naming the mapped keys (and mapped keep_tied advice)
+    with torch.no_grad():
+        src.head.weight.copy_(src.embed.weight)
+    smpckpt.save_checkpoint(str(tmp_path), "b", model=src, optimizer=opt, options=sharding)
+    dst = _EmbedHead(tied=True)
+    with pytest.raises(smpckpt.LayoutMismatch) as caught:
+        smpckpt.resume_from_checkpoint(
+            str(tmp_path), "b", model=dst, optimizer=torch.optim.Adam(dst.parameters()), options=sharding
+        )
+    want = f"'{name_map('optim.state.head.weight.exp_avg')}' and '{name_map('optim.state.embed.weight.exp_avg')}'"
+    assert want in str(caught.value) and f"keep_tied=['{name_map('model.embed.weight')}']" in str(caught.value)

@@ -9,7 +9,7 @@ import functools
 import itertools
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -159,14 +159,31 @@ class SpecRules:
         also = f", also_under={self.also_under}" if self.also_under else ""
         return f"SpecRules({ {p: s for p, _, s in self._rules} }{also})"
 
-    def match(self, key: str, prefixes: Iterable[str] = ()) -> tuple[tuple[ShardSpec, ...], str | None] | None:
+    def match(
+        self,
+        key: str,
+        prefixes: Iterable[str] = (),
+        local_key: str | None = None,
+        to_global: Callable[[str], str] | None = None,
+    ) -> tuple[tuple[ShardSpec, ...], str | None] | None:
         """Specs for ``key`` (a flattened, global key), or ``None`` when it is replicated.
 
         Returns ``(specs, inherited_from)``: ``inherited_from`` is the parameter key whose spec an
         optimizer-state key inherited, else ``None``. ``prefixes`` are the top-level names under
         which parameters live in the same state dict (``"model"``), tried in front of the parameter
-        name an optimizer key carries (``optim.state.layers.0.w.exp_avg`` -> ``model.layers.0.w``)."""
+        name an optimizer key carries (``optim.state.layers.0.w.exp_avg`` -> ``model.layers.0.w``).
+        Under a name map (``to_global``, the key's name before it ``local_key``) such a key is also
+        recognised by its local name, its parameter's key mapped alike (a map may move ``optim.``, rev72l M3)."""
         prefixes = prefixes if isinstance(prefixes, tuple) else tuple(prefixes)
+        found = self._match(key, prefixes)
+        if found is None and to_global is not None and local_key is not None and self._rules:
+            param = _optimizer_param(local_key)
+            for candidate in () if param is None else (param, *(f"{p}.{param}" for p in prefixes)):
+                if (inherited := self._match_direct(mapped := to_global(candidate))) is not None:
+                    return inherited, mapped
+        return found
+
+    def _match(self, key: str, prefixes: tuple[str, ...]) -> tuple[tuple[ShardSpec, ...], str | None] | None:
         cache_key = (key, prefixes)
         found = self._cache.get(cache_key, _UNKNOWN)
         if found is not _UNKNOWN:

@@ -212,6 +212,8 @@ def _check_span(path: str, lo: int, n: int, blob: Any) -> None:
     """A span's GET came back whole: a failed one (its exception, a timeout past s3fs's retries) is raised as
     itself, translated (a ``TimeoutError`` naming the file: transient, not a damaged checkpoint, rev72i); a body
     of another length as :class:`CheckpointCorrupt`."""
+    if isinstance(blob, FileNotFoundError):  # as data_file() says it on every other path (rev72n L2)
+        raise CheckpointCorrupt(f"{path}: data file is missing") from blob
     if isinstance(blob, Exception):
         new = translate(blob, path)
         if new is blob:

@@ -991,6 +991,25 @@ def test_a_clash_within_one_parameters_state_is_found_and_healthy_nested_state_i
         assert state_clash(healthy) is None, healthy
 
 
+def test_clashes_without_nested_state_and_under_a_dotted_prefix_are_refused_through_the_check() -> None:
+    """rev72n M1: names alike once str()-ed (``{0: t, "0": u}``) clash with no nested state beside them, and were
+    saved silently (only states holding nested state were looked at); rev72n L1: a clash whose prefix is itself
+    dotted (``{"a.b": {"c": t}, "a.b.c": u}``) is found through the pairs of dotted names and prefixes."""
+    from smpckpt._checks import refuse_unflattenable
+
+    m = nn.Linear(2, 2, bias=False)
+    for state, flat in (
+        (lambda p: {0: p * 0, "0": p * 0 + 1}, "0"),
+        (lambda p: {"a.b": {"c": p * 0}, "a.b.c": p * 0}, "a.b.c"),
+        (lambda p: {"x.y.z": {"w": p * 0}, "x.y.z.w": p * 0, "n": {"k": p * 0}}, "x.y.z.w"),
+    ):
+        o = _Clash(m.parameters(), state)
+        m(torch.randn(1, 2)).sum().backward()
+        o.step()
+        with pytest.raises(ValueError, match=rf"flattens both to the key 'optim\.state\.weight\.{re.escape(flat)}'"):
+            refuse_unflattenable(m, [o])
+
+
 def test_healthy_nested_optimizer_state_is_checked_without_state_dict_or_dcp_names(monkeypatch: Any) -> None:
     """rev72f MEDIUM: any nested state (Shampoo-like) made the save's and the resume's check build every
     optimizer's state_dict() and ask DCP for every parameter's name (177 ms -> 7.4 s at 100k parameters). A clash

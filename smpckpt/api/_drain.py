@@ -16,8 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import functools
 import json
 import logging
@@ -36,7 +34,7 @@ from smpckpt.api._tiers import FastCandidate, LocalCopy, Nodes, TierState, candi
 from smpckpt.catalog.root import partial_url, sequence_of
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointExists, CheckpointNotFound
 from smpckpt.storage import probe_checkpoint, tools
-from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._folder import Folder, flocked
 from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, open_sink
 from smpckpt.storage.format.commit import settle_uncommitted_folder
@@ -180,17 +178,8 @@ def _record_locked(job: str) -> Iterator[None]:
     node); nothing where the filesystem refuses it."""
     fd = os.open(job, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-                raise
+        with flocked(fd):
             yield
-            return
-        try:
-            yield
-        finally:  # released, not left to the close: a child forked meanwhile holds a copy of the descriptor
-            fcntl.flock(fd, fcntl.LOCK_UN)  # (a DataLoader worker: the next note waited for it to exit, rev72m)
     finally:
         os.close(fd)
 

@@ -318,18 +318,8 @@ class Folder:
         if not self.local:
             yield
             return
-        dir_fd = self._at(name)[0]
-        try:
-            fcntl.flock(dir_fd, fcntl.LOCK_EX)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-                raise
+        with flocked(self._at(name)[0]):
             yield
-            return
-        try:
-            yield
-        finally:
-            fcntl.flock(dir_fd, fcntl.LOCK_UN)
 
     # -- reading what the commit checks ------------------------------------------------------------------
     def read(self, name: str) -> bytes | None:
@@ -587,3 +577,20 @@ def _remove_dirs(fs: Any, folder: str, found: dict[str, Any]) -> list[str]:
         except OSError:
             failed.append(d)
     return failed
+
+
+@contextlib.contextmanager
+def flocked(fd: int) -> Iterator[None]:
+    """``flock`` of ``fd`` held for the block and released (not left to a close: a child forked meanwhile holds a copy
+    of the descriptor, and the next taker waited for it to exit, rev72m); nothing where the filesystem refuses it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+            raise
+        yield
+        return
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import re
 import warnings
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Collection, Mapping, Set
 from typing import Any
 
 import torch
@@ -206,6 +206,7 @@ def _saved_state_keys(
     split: Callable[[str], tuple[str, str, str] | None],
     names: Mapping[str, Any],
     name_map: Callable[[str], str] | None,
+    local_keys: Collection[str] = (),
 ) -> list[tuple[str, tuple[str, str, str]]]:
     """The checkpoint keys (``md_all``) that are the optimizer state of a parameter in ``names`` (destination names,
     before ``name_map``; ``starts``: their state's prefixes), each with its (prefix, parameter name, rest). Under
@@ -213,11 +214,13 @@ def _saved_state_keys(
     finds none)."""
     if name_map is None:
         return [(key, found) for key in md_all if key.startswith(starts) and (found := split(key)) is not None]
-    mapped = {}
+    mapped, whole = {}, []
     for p in _STATE_PREFIXES:
         for name in names:
             if (probe := name_map(p + name + ".\x00")).endswith(".\x00"):
                 mapped[probe[:-1]] = (p, name)
+            else:
+                whole.append((p, name))  # no prefix to find them by
     by_length = tuple(sorted(mapped, key=len, reverse=True))
     saved = []
     for key in [k for k in md_all if k.startswith(by_length)]:
@@ -226,7 +229,17 @@ def _saved_state_keys(
             if name_map(p + name + (rest := key[len(pre) - 1 :])) == key:
                 saved.append((key, (p, name, rest)))
                 break
+    hit = {(p, n) for _, (p, n, _) in saved}
+    whole += [pn for pn in mapped.values() if pn not in hit]  # a probe the map left as it was: a map of whole keys
+    if whole:  # (a dict's): each state name the destination's keys hold, mapped whole (rev72q: a healthy tie refused)
+        rests = sorted({t for k in local_keys for p in _STATE_PREFIXES if k.startswith(p) for t in _tails(k, names, p)})
+        saved += [(key, (p, n, r)) for p, n in whole for r in rests if (key := name_map(p + n + r)) in md_all]
     return saved
+
+
+def _tails(key: str, names: Mapping[str, Any], prefix: str) -> list[str]:
+    """``key``'s part after ``prefix`` and one of ``names`` (``.<state name>``), for each that it starts with."""
+    return [key[len(prefix + n) :] for n in names if key.startswith(prefix + n + ".")]
 
 
 class TiedLoads:
@@ -382,7 +395,7 @@ class TiedLoads:
                 return next(k for k in reversed(entries) if self.sources.get(k, k) == source)
             return next(iter(readers), None)
 
-        saved = _saved_state_keys(md_all, starts, split, names, name_map)
+        saved = _saved_state_keys(md_all, starts, split, names, name_map, named.values())
         held: dict[str, set[tuple[str, str]]] = {}  # each copy's name -> its saved keys (prefix, rest)
         for _, (prefix, name, rest) in saved:
             held.setdefault(name, set()).add((prefix, rest))

@@ -378,3 +378,26 @@ def test_optimizer_state_inherits_its_parameters_spec_through_a_name_map(name_ma
     for got, want in zip(dests, states(False)):
         assert torch.equal(got["model"]["w"], want["model"]["w"])
         assert torch.equal(got["optim"]["state"]["w"]["exp_avg"], want["optim"]["state"]["w"]["exp_avg"])
+
+
+def test_optimizer_state_inherits_its_own_parameters_spec_not_the_one_its_global_key_names() -> None:
+    """rev72q: under a map moving ``model.`` and not ``optim.`` (``model.w`` -> ``model.body.w``), with a rule for
+    another parameter named ``model.w``, the state ``optim.state.w.exp_avg`` was paired by its global key with that
+    one (Shard(1)) and saved (2, 4) for its parameter's (4, 2); a resume at TP=1 was refused."""
+    name_map = lambda k: "model.body." + k[6:] if k.startswith("model.") else k  # noqa: E731
+    rules = {"model.body.w": ShardSpec(0), "model.w": ShardSpec(1)}
+    w = torch.arange(8.0).reshape(4, 2)
+
+    def state(r: int) -> dict[str, Any]:
+        return {
+            "model": {"w": w[2 * r : 2 * r + 2].clone()},
+            "optim": {"state": {"w": {"exp_avg": 10 * w[2 * r : 2 * r + 2]}}},
+        }
+
+    store = MemoryStore()
+    planners = [ParallelSavePlanner(ParallelLayout(tp=2), rules, rank=r, name_map=name_map) for r in range(2)]
+    md = sim_save([state(0), state(1)], planners, [MemoryWriter(store)] * 2)
+    assert tuple(md.state_dict_metadata["optim.state.w.exp_avg"].size) == (4, 2)
+    dest = [{"model": {"w": torch.zeros(4, 2)}, "optim": {"state": {"w": {"exp_avg": torch.zeros(4, 2)}}}}]
+    sim_load(dest, [ParallelLoadPlanner(ParallelLayout(), rules, rank=0, name_map=name_map)], [MemoryReader(store)])
+    assert torch.equal(dest[0]["model"]["w"], w) and torch.equal(dest[0]["optim"]["state"]["w"]["exp_avg"], 10 * w)

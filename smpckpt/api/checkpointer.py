@@ -179,7 +179,7 @@ class Checkpointer:
     def _moved(self, root: str) -> None:
         """The root's folder changed (a link re-pointed): its work in flight ends, its numbering starts afresh."""
         log.warning("%s now names folder %s (was %s): numbered afresh there", self.location.path, root, self._root_key)
-        concurrent.futures.wait([f for f in (self._save_lane.fut, self._drain_lane.fut) if f is not None])
+        wait_lanes(self._save_lane, self._drain_lane, raise_errors=False)  # the save first: it submits its drain
         self._counter = SequenceCounter(self.location.path, self._counter.storage_options)
         if self._tier is not None:
             self._tier = FastTierPart(self._tier.options, self._groups, self._counter, self._drain_lane)

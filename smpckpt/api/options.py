@@ -181,6 +181,8 @@ def check_local_path(path: Any) -> str:
     text = text[len(scheme) :]
     if not scheme and "://" in text:
         raise ValueError(f"local_path must be a folder on this node (NVMe, /dev/shm), not a URL: {text!r}")
+    if not text:  # "local://" alone: not the working directory (rev72o)
+        raise ValueError(f"local_path {os.fspath(path)!r} names no folder")
     return os.path.abspath(os.path.expanduser(text))
 
 

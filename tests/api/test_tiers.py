@@ -188,6 +188,9 @@ def test_tier_options_refused_by_name(tmp_path: Path, kwargs: dict[str, Any], me
 def test_local_path_as_a_local_url_is_the_folder(tmp_path: Path, scheme: str) -> None:
     """rev72j L1: ``local://`` names local disk as ``file://`` does (Location takes both); it was refused as a URL."""
     assert FastTier(local_path=f"{scheme}{tmp_path}/fast").local_path == f"{tmp_path}/fast"
+    if scheme:  # the scheme alone names no folder: not the working directory (rev72o)
+        with pytest.raises(ValueError, match=f"local_path '{scheme}' names no folder"):
+            FastTier(local_path=scheme)
 
 
 def test_local_path_apart_from_path_and_a_folder_refused_by_name(tmp_path: Path) -> None:

@@ -175,14 +175,13 @@ class SpecRules:
         Under a name map (``to_global``, the key's name before it ``local_key``) such a key is also
         recognised by its local name, its parameter's key mapped alike (a map may move ``optim.``, rev72l M3)."""
         prefixes = prefixes if isinstance(prefixes, tuple) else tuple(prefixes)
-        if to_global is not None and local_key is not None and self._rules and self._match_direct(key) is None:
-            # its own parameter first: the global key's pairing may name another one (a map moving `model.`
-            # and not `optim.` pairs optim.state.w.* with model.w, another stage's parameter, rev72q)
+        found = self._match(key, prefixes)
+        if found is None and to_global is not None and local_key is not None and self._rules:
             param = _optimizer_param(local_key)
             for candidate in () if param is None else (param, *(f"{p}.{param}" for p in prefixes)):
                 if (inherited := self._match_direct(mapped := to_global(candidate))) is not None:
                     return inherited, mapped
-        return self._match(key, prefixes)
+        return found
 
     def _match(self, key: str, prefixes: tuple[str, ...]) -> tuple[tuple[ShardSpec, ...], str | None] | None:
         cache_key = (key, prefixes)

@@ -137,3 +137,34 @@ def test_column_shards_from_s3_report_exactly_the_bytes_their_gets_fetched(
         assert stats.bytes_needed == (WIDE.numel() + NARROW.numel()) * 4 // TP
         assert stats.bytes_read == sum(end - start for _, start, end in gets), (rank, stats)
         assert stats.requests == len(gets)
+
+
+@pytest.mark.s3
+def test_a_span_get_of_a_data_file_deleted_meanwhile_is_called_missing(
+    artifact: Path, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev72n L2 (38fcc51, untested until then): a box past the span limit reads its rows in a batch of ranged GETs
+    (``_spans``), whose failures come back as results; one of a data file deleted after the metadata was read was
+    raised as a bare ``FileNotFoundError``. It is ``CheckpointCorrupt`` "data file is missing", naming the file,
+    as on every other read path."""
+    import s3fs
+
+    bucket = "smpckpt-full-missing"
+    opts, gets = serve_full_artifact(monkeypatch, artifact, moto_endpoint, bucket, 4096)
+    fs = s3fs.S3FileSystem(**opts)
+    doomed = sorted(p for p in fs.ls(f"{bucket}/ck") if p.endswith(".safetensors"))
+
+    class Meanwhile(ParallelLoadPlanner):  # runs after the metadata is read, before any data read
+        def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+            super().set_up_planner(*args, **kwargs)
+            fs.rm(doomed)
+
+    dest = {"wide": torch.zeros_like(shard(WIDE, 1))}  # 8 KiB of each 32 KiB row: a box past the 4 KiB span limit
+    reader = FsspecStorageReader(f"s3://{bucket}/ck", storage_options=opts)
+    planner = Meanwhile(ParallelLayout(tp=TP), SPECS, rank=1, allow_partial_load=True)
+    with pytest.raises(CheckpointException) as info, pytest.warns(UserWarning, match="single process"):
+        dcp.load({"model": dest}, storage_reader=reader, planner=planner, no_dist=True)
+    assert len(gets) == WIDE.shape[0], gets  # the rows' batch of GETs was sent, each failed
+    (failure,) = [exc for exc, _ in info.value.failures.values()]
+    assert isinstance(failure, CheckpointCorrupt) and "data file is missing" in str(failure), repr(failure)
+    assert any(p.rsplit("/", 1)[1] in str(failure) for p in doomed), (failure, doomed)

@@ -447,10 +447,11 @@ class LayoutScope:
             else:
                 mappings[key] = path
             is_local = rank_local is not None and rank_local.fullmatch(key) is not None
-            if held and not is_local and held.match(key, prefixes) is not None:
+            # optimizer state is held as its own parameter is (under a name map: found by the names before it)
+            if held and not is_local and held.match(key, prefixes, param=(own := params.get(local_key))) is not None:
                 is_local = True  # planned by each holder (not in the stage's digest), compared by the save planner
                 self.held_keys.append(key)
-                self.held_split += [key] if self.rules.match(key, prefixes) is not None else []
+                self.held_split += [key] if self.rules.match(key, prefixes, param=own) is not None else []
             entries[key] = entry(local_key, key, path, value, is_local)
         return entries, mappings
 

@@ -444,3 +444,26 @@ def test_optimizer_state_under_a_name_map_inherits_its_parameters_spec_as_that_p
              [MemoryReader(store)] * 2)  # fmt: skip
     for r, got in enumerate(dests):
         assert torch.equal(got["optim"]["state"]["layers.0.w"]["exp_avg"], 10 * w[:, 3 * r : 3 * r + 3])
+
+
+def test_held_by_some_optimizer_state_follows_its_own_parameter_under_a_name_map() -> None:
+    """fix73a (noticed): under a map moving ``model.`` only, a held expert's optimizer state was paired by its global
+    key (``model.experts.0.w``) with no held glob (``model.body.experts.*``): planned as a replica, the save refused
+    the ranks for holding different keys (ReplicaMismatch). Held as its parameter is now: one copy of each saved."""
+    name_map = lambda k: "model.body." + k[6:] if k.startswith("model.") else k  # noqa: E731
+    w = torch.arange(6.0).view(2, 3)
+
+    def state(e: int, v: torch.Tensor) -> dict[str, Any]:
+        return {"model": {f"experts.{e}.w": v.clone()}, "optim": {"state": {f"experts.{e}.w": {"exp_avg": 2 * v}}}}
+
+    store, held = MemoryStore(), ["model.body.experts.*"]
+    planners = [
+        ParallelSavePlanner(ParallelLayout(dp=3), rank=r, held_by_some=held, name_map=name_map) for r in range(3)
+    ]
+    sim_save([state(0, w), state(0, w), state(1, w + 1)], planners, [MemoryWriter(store)] * 3)
+    saved = {i.fqn: t for i, t in store.chunks.items()}
+    assert sorted(saved) == sorted(
+        ["model.body.experts.0.w", "model.body.experts.1.w", "optim.state.experts.0.w.exp_avg",
+         "optim.state.experts.1.w.exp_avg"]
+    )  # fmt: skip
+    assert torch.equal(saved["optim.state.experts.1.w.exp_avg"], 2 * (w + 1))

@@ -26,6 +26,7 @@ from smpckpt._checks import check_process_group
 from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_plain, quantized_record_fits
 from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
+from smpckpt.model.specs import state_params as _state_params
 from smpckpt.storage.format._safe_pickle import ViewFile, decode_object, encode_object
 
 __all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "tied_entries", "carries_no_data"]
@@ -240,8 +241,10 @@ class _EntryMaker:
         layout: ParallelLayout,
         stored: Mapping[str, Any] | None,
         to_global: Callable[[str], str] | None = None,
+        params: Mapping[str, str] | None = None,
     ) -> None:
         self.rules, self.to_global = rules, to_global  # to_global: a name map's (optimizer-state inheritance)
+        self.params = params or {}  # under a name map: a state key (before it) -> its own parameter's global key
         #: a load's checkpoint keys (``None`` at a save): a destination not plain is refused only where read
         self.stored = stored
         self.prefixes = prefixes
@@ -273,7 +276,8 @@ class _EntryMaker:
             # a load's destination the checkpoint lacks is never read: missing (allow_partial_load, optional=)
             # as any other key, not refused (rev69f F3); an object entry asks nothing of its tensor
             return Entry(local_key, key, path, "object", value, rank_local=is_local)
-        matched = None if is_local else self.rules.match(key, self.prefixes, local_key, self.to_global)
+        param = self.params.get(local_key) if self.params else None
+        matched = None if is_local else self.rules.match(key, self.prefixes, local_key, self.to_global, param)
         shape = value.shape  # read once: every branch below needs it
         if matched is not None:
             specs, inherited_from = matched
@@ -360,6 +364,7 @@ class LayoutScope:
     rank: int
     held_keys: list[str]  #: this rank's keys ``held_by_some`` matches (as spec rules: optimizer state follows)
     held_split: list[str]  #: those a spec rule matches too (saved whole all the same: the save refuses them)
+    state_params: dict[str, tuple[str, str]]  #: under a name map: state key -> (FQN, parameter key), names before it
     dtensor_layout = staticmethod(dtensor_layout)  # the save planner sends its rank's in its plan
 
     def _set_scope(
@@ -423,7 +428,10 @@ class LayoutScope:
         }
         prefixes = tuple(tops)
         named = mapper.to_global if self.name_map is not None else None
-        entry = _EntryMaker(self.rules, prefixes, by_global, coords, layout, stored, named).entry
+        # under a name map, each optimizer-state key's own parameter, judged by the names before it (rev72q)
+        self.state_params = _state_params(flat.keys(), prefixes) if global_keys is not None and named else {}
+        params = {k: global_keys[p] for k, (_, p) in self.state_params.items()} if global_keys is not None else {}
+        entry = _EntryMaker(self.rules, prefixes, by_global, coords, layout, stored, named, params).entry
         rank_local, held, self.held_keys, self.held_split = self._rank_local, self._held, [], []
         for local_key, value in flat.items():
             key = local_key
@@ -439,10 +447,11 @@ class LayoutScope:
             else:
                 mappings[key] = path
             is_local = rank_local is not None and rank_local.fullmatch(key) is not None
-            if held and not is_local and held.match(key, prefixes) is not None:
+            # optimizer state is held as its own parameter is (under a name map: found by the names before it)
+            if held and not is_local and held.match(key, prefixes, param=(own := params.get(local_key))) is not None:
                 is_local = True  # planned by each holder (not in the stage's digest), compared by the save planner
                 self.held_keys.append(key)
-                self.held_split += [key] if self.rules.match(key, prefixes) is not None else []
+                self.held_split += [key] if self.rules.match(key, prefixes, param=own) is not None else []
             entries[key] = entry(local_key, key, path, value, is_local)
         return entries, mappings
 

@@ -217,7 +217,7 @@ def _saved_state_keys(
     mapped, whole = {}, []
     for p in _STATE_PREFIXES:
         for name in names:
-            if (probe := name_map(p + name + ".\x00")).endswith(".\x00"):
+            if (probe := _mapped(name_map, p + name + ".\x00")) is not None and probe.endswith(".\x00"):
                 mapped[probe[:-1]] = (p, name)
             else:
                 whole.append((p, name))  # no prefix to find them by
@@ -226,15 +226,26 @@ def _saved_state_keys(
     for key in [k for k in md_all if k.startswith(by_length)]:
         for pre in (q for q in by_length if key.startswith(q)):
             p, name = mapped[pre]
-            if name_map(p + name + (rest := key[len(pre) - 1 :])) == key:
+            if _mapped(name_map, p + name + (rest := key[len(pre) - 1 :])) == key:
                 saved.append((key, (p, name, rest)))
                 break
     hit = {(p, n) for _, (p, n, _) in saved}
     whole += [pn for pn in mapped.values() if pn not in hit]  # a probe the map left as it was: a map of whole keys
     if whole:  # (a dict's): each state name the destination's keys hold, mapped whole (rev72q: a healthy tie refused)
         rests = sorted({t for k in local_keys for p in _STATE_PREFIXES if k.startswith(p) for t in _tails(k, names, p)})
-        saved += [(key, (p, n, r)) for p, n in whole for r in rests if (key := name_map(p + n + r)) in md_all]
+        known = ((_mapped(name_map, p + n + r), (p, n, r)) for p, n in whole for r in rests)
+        saved += [(key, found) for key, found in known if key is not None and key in md_all]
     return saved
+
+
+def _mapped(name_map: Callable[[str], str], key: str) -> str | None:
+    """``name_map(key)`` for a name the state dict may not hold (a probe, a copy's key the tie holds as one), ``None``
+    where the map does not know it: a strict map (a dict's ``__getitem__``) raises ``KeyError`` there, which ended the
+    resume of a healthy tie held apart (fix73a); such a name is then not found, as one the map leaves out."""
+    try:
+        return name_map(key)
+    except LookupError:
+        return None
 
 
 def _tails(key: str, names: Mapping[str, Any], prefix: str) -> list[str]:

@@ -294,11 +294,10 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         the destination's names beside the checkpoint keys read for them (a name_map may move ``optim.``, fix72j)."""
         if not missing:
             return set()
-        asked = {e.local_key: sources.get(k, k) for k, e in self.entries.items()}
-        saved, read = sorted(md_all), {k: sources.get(k, k) for k in missing}
-        none = set(RESERVED.stateless_when_saved([self.entries[k].local_key for k in missing], asked, saved))
-        by_read = set(RESERVED.stateless_by_read_key(list(read.values()), saved))  # a suffix map too (fix72m)
-        return {k for k in missing if self.entries[k].local_key in none or read[k] in by_read}
+        asked, local = {e.local_key: sources.get(k, k) for k, e in self.entries.items()}, self.entries
+        owners = {k: fqn for k, (fqn, _) in self.state_params.items()}  # the spec's pairing (under a name_map)
+        none = set(RESERVED.stateless_when_saved([local[k].local_key for k in missing], asked, sorted(md_all), owners))
+        return {k for k in missing if local[k].local_key in none}
 
     def _reads_into(self, entry: Entry) -> Entry:
         """The entry to plan reads for: one reading into scratch for a tied key the checkpoint holds

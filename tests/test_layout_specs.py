@@ -13,7 +13,7 @@ from sim import MemoryReader, MemoryStore, MemoryWriter, sim_load, sim_save
 
 from smpckpt import ParallelLayout, ReplicaMismatch, ShardSpec, SpecError
 from smpckpt.model.layout import KeyMapper
-from smpckpt.model.specs import SpecRules, shard_geometry
+from smpckpt.model.specs import SpecRules, shard_geometry, spec_rules
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.planners._replica_values import assign_owners, replica_range
 
@@ -380,13 +380,6 @@ def test_optimizer_state_inherits_its_parameters_spec_through_a_name_map(name_ma
         assert torch.equal(got["optim"]["state"]["w"]["exp_avg"], want["optim"]["state"]["w"]["exp_avg"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="rev72q M (older): the global key's pairing wins under a map moving model. only; trying the names before "
-    "the map first (aed3d55) gave bare rules under also_under another parameter's spec and called strict maps on bare "
-    "names (rev72r): it needs the parameter's real local keys passed to SpecRules.match",
-)
 def test_optimizer_state_inherits_its_own_parameters_spec_not_the_one_its_global_key_names() -> None:
     """rev72q: under a map moving ``model.`` and not ``optim.`` (``model.w`` -> ``model.body.w``), with a rule for
     another parameter named ``model.w``, the state ``optim.state.w.exp_avg`` was paired by its global key with that
@@ -408,3 +401,69 @@ def test_optimizer_state_inherits_its_own_parameters_spec_not_the_one_its_global
     dest = [{"model": {"w": torch.zeros(4, 2)}, "optim": {"state": {"w": {"exp_avg": torch.zeros(4, 2)}}}}]
     sim_load(dest, [ParallelLoadPlanner(ParallelLayout(), rules, rank=0, name_map=name_map)], [MemoryReader(store)])
     assert torch.equal(dest[0]["model"]["w"], w) and torch.equal(dest[0]["optim"]["state"]["w"]["exp_avg"], 10 * w)
+
+
+_STAGE_MAP = {  # rev72r: the cases trying the names before the map as global ones (aed3d55) got wrong
+    # a stage's layer 0 is the model's layer 1: the bare name layers.0.w, left as it is by the map, meets the bare
+    # rule (under also_under) of another parameter, the model's own layer 0 (saved (4, 3) for its parameter's (2, 6))
+    "stage": lambda k: k.replace("layers.0.", "layers.1.") if k.startswith(("model.", "optim.")) else k,
+    # a strict map (a dict's): a name it was never given (the bare layers.0.w) raised KeyError
+    "strict-dict": {
+        "model.layers.0.w": "model.body.layers.1.w",
+        "optim.state.layers.0.w.exp_avg": "optim.state.layers.0.w.exp_avg",
+    }.__getitem__,
+}
+
+
+@pytest.mark.parametrize("name_map", list(_STAGE_MAP.values()), ids=list(_STAGE_MAP))
+def test_optimizer_state_under_a_name_map_inherits_its_parameters_spec_as_that_parameter_matches_it(
+    name_map: Any,
+) -> None:
+    """The state's own parameter (found by the state dict's names before the map) is matched as the parameter itself
+    is: by its global key, bare rules under also_under included, the map called on the state dict's keys alone."""
+    rules = spec_rules({"layers.0.w": ShardSpec(0), "layers.1.w": ShardSpec(1), "body.layers.1.w": ShardSpec(1)})
+    w = torch.arange(12.0).reshape(2, 6)
+
+    def state(r: int, blank: bool = False) -> dict[str, Any]:
+        piece = torch.zeros(2, 3) if blank else w[:, 3 * r : 3 * r + 3].clone()
+        return {"model": {"layers.0.w": piece}, "optim": {"state": {"layers.0.w": {"exp_avg": 10 * piece}}}}
+
+    store = MemoryStore()
+    planners = [ParallelSavePlanner(ParallelLayout(tp=2), rules, rank=r, name_map=name_map) for r in range(2)]
+    md = sim_save([state(0), state(1)], planners, [MemoryWriter(store)] * 2)
+    assert tuple(md.state_dict_metadata[name_map("optim.state.layers.0.w.exp_avg")].size) == (2, 6)
+    assert tuple(md.state_dict_metadata[name_map("model.layers.0.w")].size) == (2, 6)
+    dest = [
+        {"model": {"layers.0.w": torch.zeros(2, 6)}, "optim": {"state": {"layers.0.w": {"exp_avg": torch.zeros(2, 6)}}}}
+    ]
+    sim_load(dest, [ParallelLoadPlanner(ParallelLayout(), rules, rank=0, name_map=name_map)], [MemoryReader(store)])
+    assert torch.equal(dest[0]["model"]["layers.0.w"], w)
+    assert torch.equal(dest[0]["optim"]["state"]["layers.0.w"]["exp_avg"], 10 * w)
+    dests = [state(r, blank=True) for r in range(2)]  # and back at TP=2: each rank its own piece
+    sim_load(dests, [ParallelLoadPlanner(ParallelLayout(tp=2), rules, rank=r, name_map=name_map) for r in range(2)],
+             [MemoryReader(store)] * 2)  # fmt: skip
+    for r, got in enumerate(dests):
+        assert torch.equal(got["optim"]["state"]["layers.0.w"]["exp_avg"], 10 * w[:, 3 * r : 3 * r + 3])
+
+
+def test_held_by_some_optimizer_state_follows_its_own_parameter_under_a_name_map() -> None:
+    """fix73a (noticed): under a map moving ``model.`` only, a held expert's optimizer state was paired by its global
+    key (``model.experts.0.w``) with no held glob (``model.body.experts.*``): planned as a replica, the save refused
+    the ranks for holding different keys (ReplicaMismatch). Held as its parameter is now: one copy of each saved."""
+    name_map = lambda k: "model.body." + k[6:] if k.startswith("model.") else k  # noqa: E731
+    w = torch.arange(6.0).view(2, 3)
+
+    def state(e: int, v: torch.Tensor) -> dict[str, Any]:
+        return {"model": {f"experts.{e}.w": v.clone()}, "optim": {"state": {f"experts.{e}.w": {"exp_avg": 2 * v}}}}
+
+    store, held = MemoryStore(), ["model.body.experts.*"]
+    planners = [
+        ParallelSavePlanner(ParallelLayout(dp=3), rank=r, held_by_some=held, name_map=name_map) for r in range(3)
+    ]
+    sim_save([state(0, w), state(0, w), state(1, w + 1)], planners, [MemoryWriter(store)] * 3)
+    saved = {i.fqn: t for i, t in store.chunks.items()}
+    assert sorted(saved) == sorted(
+        ["model.body.experts.0.w", "model.body.experts.1.w", "optim.state.experts.0.w.exp_avg",
+         "optim.state.experts.1.w.exp_avg"]
+    )  # fmt: skip
+    assert torch.equal(saved["optim.state.experts.1.w.exp_avg"], 2 * (w + 1))

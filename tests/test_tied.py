@@ -827,6 +827,12 @@ _PREFIX_MAPS = {  # as tests/api/test_optimizer_state.py's _MAPS: name_maps movi
     "all-under-stage": lambda k: "stage/" + k if k.startswith(("model.", "optim.")) else k,
     # a dict of whole keys (no prefix moved): the head's keys renamed one by one (rev72q: refused by 7614b74)
     "exact-dict": lambda k: _OUT.get(k, k),
+    # the same, strict (a dict's __getitem__): called on a probe name it was never given, a resume of a healthy tie
+    # held apart ended in KeyError 'optim.state.embed.weight.\x00' (fix73a)
+    "strict-dict": {
+        **{k.replace(".head.", ".embed."): k.replace(".head.", ".embed.") for k in _OUT},
+        **_OUT,
+    }.__getitem__,
 }
 
 

@@ -194,14 +194,18 @@ class ReservedKeys:
         parts = rest.split(".")
         return next((f for f in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if f in params), None)
 
-    def stateless_when_saved(self, missing: Sequence[str], keys: Mapping[str, str], saved: Sequence[str]) -> list[str]:
+    def stateless_when_saved(
+        self, missing: Sequence[str], keys: Mapping[str, str], saved: Sequence[str], owners: Mapping[str, str] = {}
+    ) -> list[str]:
         """The ``missing`` keys that are optimizer state of a parameter the checkpoint holds param groups
         but no state at all for: it had none when saved (no gradient yet: an unused branch, an expert
-        never routed to), so a strict resume is right to leave it without, not to refuse. Keys are the
-        destination's (``optim.state.<fqn>.<name>``); ``keys``: each destination key -> the checkpoint key
-        read for it (a name_map may have moved either prefix anywhere, fix72j); ``saved``: the checkpoint's
-        keys, sorted. A parameter's saved state is looked for under the prefix its asked key was mapped to
-        (the key read, less the ``.<name>`` it ends with); a key mapped otherwise is never judged stateless."""
+        never routed to), so a strict resume is right to leave it without, not to refuse. Judged on the
+        destination's side alone (rev72p): keys are its own (``optim.state.<fqn>.<name>``, before any name_map),
+        each key's parameter ``owners``' FQN (the spec's pairing, ``specs.state_params``) or else the longest FQN
+        in front among its param groups' keys; ``keys``: each destination key -> the checkpoint key read for it
+        (a map may move either prefix and add a suffix, fix72j, fix72m); ``saved``: the checkpoint's keys, sorted.
+        The parameter's saved state is looked for under the key read up to where the key's ``.<name>`` is in it
+        (:func:`_read_prefix`); a key read without it is never judged stateless (refused, never skipped)."""
         state, groups = f"{self.optim}.state.", f"{self.optim}.param_groups."
 
         def has(key: str) -> bool:
@@ -209,8 +213,9 @@ class ReservedKeys:
             return i < len(saved) and saved[i] == key
 
         # the parameters whose param groups the checkpoint holds, of those a missing key may be state of (rev72l
-        # L2: a bisect for each of them alone); hyper-parameter names hold no dots: what is in front of the last
-        # one is the parameter's FQN
+        # L2: a bisect for each of them alone); hyper-parameter names hold no dots: in the destination's names
+        # (never the checkpoint's, which a map may have given dotted suffixes, rev72p) what is in front of the
+        # last one is the parameter's FQN
         maybe: set[str] = set()
         for parts in (k[len(state) :].split(".") for k in missing if k.startswith(state)):
             maybe.update(".".join(parts[:i]) for i in range(1, len(parts)))
@@ -221,30 +226,16 @@ class ReservedKeys:
         }
         out = []
         for key in missing:
-            if key.startswith(state) and (fqn := self.state_owner(key[len(state) :], held)) is not None:
-                tail, read = key[len(state) + len(fqn) :], keys.get(key, key)  # tail: ".<name>[.<inner>]"
-                if read.endswith(tail):
-                    prefix = read[: len(read) - len(tail)] + "."
+            if not key.startswith(state):
+                continue
+            fqn = owners.get(key) or self.state_owner(key[len(state) :], held)
+            if fqn is not None and fqn in held:
+                tail = key[len(state) + len(fqn) :]  # ".<name>[.<inner>]"
+                prefix = _read_prefix(keys.get(key, key), tail)
+                if prefix is not None:
                     i = bisect.bisect_left(saved, prefix)
                     if i == len(saved) or not saved[i].startswith(prefix):
                         out.append(key)
-        return out
-
-    def stateless_by_read_key(self, read: Sequence[str], saved: Sequence[str]) -> list[str]:
-        """The ``read`` keys (checkpoint keys) judged stateless by their literal ``optim.`` names (the judgement
-        before fix72j): ``optim.state.<fqn>.<name...>`` where ``<fqn>`` has ``optim.param_groups.<fqn>.`` keys in
-        ``saved`` (sorted) and nothing under ``optim.state.<fqn>.``. Sound where a name_map keeps the ``optim.``
-        prefix, whatever it does after it (a suffix ``k + "@v1"``, which :meth:`stateless_when_saved` does not
-        follow, fix72m); the resume takes the union of both."""
-        state, groups = f"{self.optim}.state.", f"{self.optim}.param_groups."
-        lo, hi = bisect.bisect_left(saved, groups), bisect.bisect_left(saved, groups[:-1] + "/")
-        params = {k[len(groups) :].rpartition(".")[0] for k in saved[lo:hi]}
-        out = []
-        for key in read:
-            if key.startswith(state) and (fqn := self.state_owner(key[len(state) :], params)) is not None:
-                i = bisect.bisect_left(saved, f"{state}{fqn}.")
-                if i == len(saved) or not saved[i].startswith(f"{state}{fqn}."):
-                    out.append(key)
         return out
 
     def in_own_dtype(self, keys: Mapping[str, str], saved: Mapping[str, Any]) -> list[str]:
@@ -271,6 +262,22 @@ class ReservedKeys:
             if mine is not None and its is not None and mine != its:
                 out.append(key)
         return out
+
+
+def _read_prefix(read: str, tail: str) -> str | None:
+    """The part of ``read`` (a checkpoint key) in front of ``tail`` (a state key's ``.<name>``), and a dot: where a
+    map put that parameter's state. Its end, else its first place followed by no name character (a map adding a
+    suffix: ``.v1``, ``@v1``); the first, so a name also found in the map's own part gives a shorter prefix (more
+    saved keys under it: refused, never skipped). ``None``: the map left no ``tail`` in it."""
+    if read.endswith(tail):
+        return read[: len(read) - len(tail)] + "."
+    i = read.find(tail)
+    while i >= 0:
+        after = read[i + len(tail) : i + len(tail) + 1]
+        if not (after.isalnum() or after == "_"):
+            return read[:i] + "."
+        i = read.find(tail, i + 1)
+    return None
 
 
 def _dtype(md: Any) -> Any:

@@ -9,7 +9,7 @@ import functools
 import itertools
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -18,7 +18,7 @@ from smpckpt.errors import SpecError
 from smpckpt.model.layout import OPTIM_STATE_PREFIX, RESERVED, RankCoords
 
 __all__ = ["ShardSpec", "SpecRules", "SpecLike", "ShardGeometry", "shard_geometry", "OPTIMIZER_STATE_PREFIXES"]
-__all__ += ["spec_rules"]
+__all__ += ["spec_rules", "state_params"]
 
 #: Key prefixes under which torch's FQN-keyed optimizer state lives (``get_state_dict`` with
 #: ``flatten_optimizer_state_dict=True`` gives ``optim.state.<param>.<name>``). A key under one of
@@ -165,6 +165,7 @@ class SpecRules:
         prefixes: Iterable[str] = (),
         local_key: str | None = None,
         to_global: Callable[[str], str] | None = None,
+        param: str | None = None,
     ) -> tuple[tuple[ShardSpec, ...], str | None] | None:
         """Specs for ``key`` (a flattened, global key), or ``None`` when it is replicated.
 
@@ -173,8 +174,18 @@ class SpecRules:
         which parameters live in the same state dict (``"model"``), tried in front of the parameter
         name an optimizer key carries (``optim.state.layers.0.w.exp_avg`` -> ``model.layers.0.w``).
         Under a name map (``to_global``, the key's name before it ``local_key``) such a key is also
-        recognised by its local name, its parameter's key mapped alike (a map may move ``optim.``, rev72l M3)."""
+        recognised by its local name, its parameter's key mapped alike (a map may move ``optim.``, rev72l M3).
+        ``param``: the global key of the optimizer-state key's own parameter where the state dict holds it (under a
+        name map, :func:`state_params`): inherited from it alone, matched as that parameter is."""
         prefixes = prefixes if isinstance(prefixes, tuple) else tuple(prefixes)
+        if param is not None:
+            # its own parameter, found by the destination's names (:func:`state_params`): the global key's pairing
+            # may name another one (a map moving `model.` and not `optim.`, rev72q), and names before the map tried
+            # as global ones meet bare rules of another parameter or a strict map's KeyError (rev72r)
+            if (direct := self._match_direct(key)) is not None:
+                return direct, None
+            own = self._match_direct(param)
+            return None if own is None else (own, param)
         found = self._match(key, prefixes)
         if found is None and to_global is not None and local_key is not None and self._rules:
             param = _optimizer_param(local_key)
@@ -237,6 +248,29 @@ class SpecRules:
 @functools.lru_cache(maxsize=16)
 def _shared_rules(items: tuple[tuple[str, SpecLike], ...], also_under: tuple[str, ...] = ()) -> SpecRules:
     return SpecRules(dict(items), also_under=also_under)
+
+
+def state_params(local_keys: Collection[str], tops: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """Each optimizer-state key of ``local_keys`` (a state dict's own names, before any name map) -> (its parameter's
+    FQN, that parameter's key in ``local_keys``: ``<fqn>`` or ``<top>.<fqn>``, ``tops`` tried in order). The state's
+    parameter is the longest FQN in front of its last name (``layer.1`` and ``layer.1.x`` may both be parameters)
+    that is a key here; a state key whose parameter is not here is left out. Judged once on the destination's
+    names: through a map the keys read may name another parameter, or add dotted parts (``k + ".v1"``) a
+    hyper-parameter's name would pass for a parameter's under (rev72p, rev72q)."""
+    out: dict[str, tuple[str, str]] = {}
+    for key in local_keys:
+        prefix = next((p for p in OPTIMIZER_STATE_PREFIXES if key.startswith(p)), None)
+        if prefix is None:
+            continue
+        parts = key[len(prefix) :].split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            fqn = ".".join(parts[:i])
+            candidates = (fqn, *(f"{t}.{fqn}" for t in tops))
+            at = next((c for c in candidates if c in local_keys and not c.startswith(OPTIMIZER_STATE_PREFIXES)), None)
+            if at is not None:
+                out[key] = (fqn, at)
+                break
+    return out
 
 
 def _optimizer_param(key: str) -> str | None:

@@ -11,12 +11,14 @@ from typing import Any
 
 import pytest
 import torch
+from sim import MemoryReader, MemoryStore, MemoryWriter, sim_load, sim_save
 from test_api_single import _assert_optim_equal, _equal
 from torch import nn
 from unused_branch import unused_branch_model, unused_branch_step
 
 import smpckpt
-from smpckpt import LayoutMismatch, resume_from_checkpoint, save_checkpoint
+from smpckpt import LayoutMismatch, ParallelLayout, resume_from_checkpoint, save_checkpoint
+from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 
 
 class Quantised(nn.Module):
@@ -1393,7 +1395,12 @@ def test_state_saved_in_its_parameters_dtype_follows_a_model_cast_at_the_resume(
     assert _equal(m2, m3)
 
 
-_STATELESS_MAPS = {**_MAPS, "suffix": lambda k: k + "@v1"}  # suffix: keeps optim., not the ".<name>" tail (fix72m)
+_STATELESS_MAPS = {  # suffix: keeps optim., not the ".<name>" tail (fix72m); the last two: a dotted one (rev72p)
+    **_MAPS,
+    "suffix": lambda k: k + "@v1",
+    "dotted-suffix": lambda k: k + ".v1" if k.startswith("optim.") else k,
+    "moved-and-suffixed": lambda k: "opt." + k[6:] + ".v1" if k.startswith("optim.") else k,
+}
 
 
 @pytest.mark.parametrize("name_map", list(_STATELESS_MAPS.values()), ids=list(_STATELESS_MAPS))
@@ -1427,3 +1434,38 @@ def test_a_parameter_saved_without_optimizer_state_resumes_without_it_through_a_
     wanted = name_map("optim.state.0.weight.max_exp_avg_sq")
     with pytest.raises(LayoutMismatch, match=rf"2 keys are not in the checkpoint: {re.escape(wanted)}, "):
         resume_from_checkpoint(str(tmp_path), "a", model=m3, optimizer=o3, options=sharding)
+
+
+@pytest.mark.parametrize("name_map", [_STATELESS_MAPS["dotted-suffix"], _STATELESS_MAPS["moved-and-suffixed"]])
+def test_state_named_like_a_hyper_parameter_is_not_taken_for_a_stateless_parameters(name_map: Any) -> None:
+    """rev72p H: under a map appending a dotted suffix (``k + ".v1"``), the checkpoint's param group keys
+    ``optim.param_groups.w.extra.v1`` read literally named a parameter ``w.extra``: the destination's state
+    ``optim.state.w.extra``, absent from the checkpoint while ``w`` held state, was judged state of that
+    parameter, stateless when saved, and skipped under strict (silently). Which parameter a state key is of is
+    judged by the destination's names now: ``w``, which held state: refused by name. A parameter that held none
+    is still told apart (below)."""
+    saved_w, saved_v = torch.arange(4.0), torch.arange(4.0) + 10
+
+    def state(blank: bool, extra: bool) -> dict[str, Any]:
+        z = torch.zeros(4)
+        moments = {"exp_avg": z.clone() if blank else saved_w * 2, **({"extra": z.clone()} if extra else {})}
+        return {
+            "model": {"w": z.clone() if blank else saved_w.clone(), "v": z.clone() if blank else saved_v.clone()},
+            "optim": {
+                "state": {"w": moments, **({"v": {"exp_avg": z.clone()}} if blank else {})},
+                "param_groups": {n: {"lr": 0.1, "extra": 1.0} for n in ("w", "v")},
+            },
+        }
+
+    store = MemoryStore()
+    sim_save([state(False, False)], [ParallelSavePlanner(ParallelLayout(), name_map=name_map)], [MemoryWriter(store)])
+    dest = [state(True, True)]
+    wanted = name_map("optim.state.w.extra")
+    with pytest.raises(LayoutMismatch, match=rf"1 keys are not in the checkpoint: {re.escape(wanted)} "):
+        sim_load(dest, [ParallelLoadPlanner(ParallelLayout(), name_map=name_map)], [MemoryReader(store)])
+    dest = [state(True, False)]  # v held no state when saved: left without, the rest bit-exact
+    loader = ParallelLoadPlanner(ParallelLayout(), name_map=name_map)
+    sim_load(dest, [loader], [MemoryReader(store)])
+    assert loader.report is not None and loader.report.stateless_saved == (name_map("optim.state.v.exp_avg"),)
+    assert torch.equal(dest[0]["model"]["w"], saved_w) and torch.equal(dest[0]["model"]["v"], saved_v)
+    assert torch.equal(dest[0]["optim"]["state"]["w"]["exp_avg"], saved_w * 2)

@@ -119,9 +119,11 @@ class FastTierPart:
         back = abandoned_of(prepared.parsed().extra)  # what this save's history abandoned: retention keeps it
 
         def work() -> None:
+            drained = retry.prepared if retry is not None else prepared
             try:
                 with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
-                    drain(req, tier, retry.prepared if retry is not None else prepared, retry, self.counter.manifests)
+                    drain(req, tier, drained, retry, self.counter.manifests)
+                self.counter.landed(req.tag, drained.parsed().extra)  # the run path's folder holds (a move keeps it)
             finally:
                 with self.state.lock:  # a failed drain too: the next save may drain it again
                     self.state.held.discard(req.tag)

@@ -188,7 +188,7 @@ class Checkpointer:
         wait_lanes(self._save_lane, self._drain_lane, raise_errors=False)  # the save first: it submits its drain
         if decides and holds_last(self._counter):
             log.info(
-                "%s now names folder %s (was %s), which holds this run: numbered on",
+                "%s now names folder %s (was %s), holding this run: numbered on",
                 self.location.path,
                 root,
                 self._root_key,
@@ -196,8 +196,11 @@ class Checkpointer:
             return
         log.warning("%s now names folder %s (was %s): numbered afresh there", self.location.path, root, self._root_key)
         self._counter = SequenceCounter(self.location.path, self._counter.storage_options)
-        if self._tier is not None:
-            self._tier = FastTierPart(self._tier.options, self._groups, self._counter, self._drain_lane)
+        if (old := self._tier) is not None:
+            self._tier = FastTierPart(old.options, self._groups, self._counter, self._drain_lane)
+            # what it drained went to the old folder: not due in the new one, nor "never reached" (rev72o L3)
+            self._tier.state.durable = old.state.durable
+            old.state.close()  # its threads (its work is done)
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.location.path!r}, {self.layout})"

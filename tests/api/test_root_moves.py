@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,12 @@ import pytest
 import torch
 from root_jobs_workers import model
 
+import smpckpt.api._fast_save as fast_save_module
 import smpckpt.api._save as save_module
-from smpckpt import Checkpointer, Retention, last_resume_info
+from smpckpt import Checkpointer, FastTier, Retention, last_resume_info
 from smpckpt.catalog.root import scan_root
+from smpckpt.errors import CheckpointError
+from smpckpt.storage import MANIFEST_NAME
 
 
 def _committed(root: str) -> dict[str, Any]:
@@ -117,3 +121,87 @@ def test_a_per_save_checkpointer_goes_on_from_a_resume_of_a_run_moved_since(tmp_
     got = _committed(str(link))
     assert got["s4"].extra.get("abandoned") == [[2, 3]], got["s4"].extra
     assert sorted(got) == ["s1", "s2", "s3", "s4"]
+
+
+@pytest.mark.parametrize("every", [2, 3])
+@pytest.mark.parametrize("how", ["moved", "another-run"])
+def test_a_tiered_checkpointer_after_the_move_neither_drains_nor_mourns_the_old_folders_saves(
+    tmp_path: Any, caplog: Any, how: str, every: int
+) -> None:
+    """rev72o L3: a tiered Checkpointer (durable_every ``every``, num_kept_local=2) on 'root' -> run_a saves s1, s2,
+    s3 (s2 or s3 drained there); then run_a is moved under the link (``moved``) or the link re-pointed at an empty
+    run_c (``another-run``), and it saves s4, s5, s6. Before, after a re-point its fast tier forgot what it had
+    drained: with every=2 retention removed s2 warning it "never reached" path (it had, run_a's), with every=3 s4
+    drained s3 again into run_c (the old folder's save in the new one). Now the old folder's drained saves are
+    neither due in the new one nor mourned; the moved run goes on in its folder."""
+    run_a, link, fast = tmp_path / "run_a", tmp_path / "root", tmp_path / "fast"
+    run_a.mkdir()
+    link.symlink_to(run_a)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    tier = FastTier(str(fast), replicas=1, durable_every=every, num_kept_local=2)
+    caplog.set_level(logging.INFO)
+    with Checkpointer(str(link), fast_tier=tier) as ckpt:
+        for tag in ("s1", "s2", "s3"):
+            ckpt.save(tag, m)
+        ckpt.wait()
+        old = sorted(_committed(str(run_a)))
+        assert old == (["s2"] if every == 2 else ["s3"]), old
+        new = tmp_path / ("run_b" if how == "moved" else "run_c")
+        if how == "moved":
+            run_a.rename(new)
+        else:
+            new.mkdir()
+        _repoint(link, new)
+        caplog.clear()
+        for tag in ("s4", "s5", "s6"):
+            ckpt.save(tag, m)
+        ckpt.wait()
+    mourned = [r.getMessage() for r in caplog.records if "never reached" in r.getMessage()]
+    assert not mourned, mourned  # before (another-run, every=2): s2 "never reached" path
+    got = sorted(_committed(str(new)))
+    drained = ["s4", "s6"] if every == 2 else ["s6"]
+    if how == "moved":
+        assert got == sorted(old + drained), got
+    else:
+        assert got == drained, got  # before (every=3): ['s3', 's6'], run_a's s3 drained again into run_c
+        assert sorted(_committed(str(run_a))) == old
+
+
+def test_a_drain_running_while_the_link_is_re_pointed_commits_nowhere_and_the_fast_tier_keeps_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev72o L6: a tiered save's drain to 'root' -> run_a is still running when 'root' is re-pointed at another
+    run's folder run_c. Before, it went on through the link and committed run_a's save s1 in run_c (and pointed
+    run_c's newest at it). Now its commit is refused by name (the folder is not the one its save was planned for;
+    raised by wait()): nothing committed in run_c, no file of it left there, and the fast tier keeps s1 whole."""
+    run_a, run_c, link, fast = tmp_path / "run_a", tmp_path / "run_c", tmp_path / "root", tmp_path / "fast"
+    run_a.mkdir()
+    run_c.mkdir()
+    link.symlink_to(run_a)
+    started, go = threading.Event(), threading.Event()
+    real = fast_save_module.drain
+
+    def held(*args: Any, **kwargs: Any) -> None:
+        started.set()
+        go.wait(timeout=60)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(fast_save_module, "drain", held)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    ckpt = Checkpointer(str(link), fast_tier=FastTier(str(fast), replicas=1, durable_every=1))
+    try:
+        ckpt.save("s1", m)
+        assert started.wait(timeout=60)
+        _repoint(link, run_c)
+        go.set()
+        with pytest.raises(CheckpointError, match=r"re-pointed .*'s1'.* not committed"):
+            ckpt.wait()
+    finally:
+        go.set()
+        ckpt.close()
+    assert _committed(str(run_c)) == {} and not any(run_c.iterdir()), list(run_c.iterdir())  # before: s1 in run_c
+    assert _committed(str(run_a)) == {}
+    (job,) = [p for p in fast.iterdir() if p.is_dir()]
+    assert (job / "s1_partial" / MANIFEST_NAME).is_file()  # committed in the fast tier: drained again later

@@ -64,7 +64,7 @@ from smpckpt.api.options import (
     check_groups,
 )
 from smpckpt.catalog import holds_last
-from smpckpt.catalog.root import Mark, SequenceCounter, partial_url, validate_tag
+from smpckpt.catalog.root import Mark, SequenceCounter, mark_of, partial_url, validate_tag
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.layout import KeyMapper, ParallelLayout
 from smpckpt.storage.backends._fs import folder_key, options_now
@@ -529,6 +529,7 @@ class Checkpointer:
                 )
                 extra = target.manifest.extra if target.manifest is not None else None  # (rank 0's: it draws)
                 self._counter.resumed(target.order[0], target.abandoned, extra, target.tag)  # applied: catalog.root
+                self._counter.mark = mark_of(target.tag, extra, target.order[1])  # (rank 0's: it draws)
                 info = summarize(req, target, counts, restored, rng)
                 if reader is not None:
                     peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)

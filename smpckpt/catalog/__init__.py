@@ -43,4 +43,4 @@ def holds_last(counter: SequenceCounter) -> bool:
         found = _record(mark[0], partial_url(counter.root, mark[0]), counter.storage_options, counter.manifests)
     except (CheckpointError, OSError):  # unreadable: not known to be the same run
         return False
-    return found.committed and mark_of(found.tag, found.extra) == mark
+    return found.committed and mark_of(found.tag, found.extra, found.order[1]) == mark

@@ -201,10 +201,10 @@ T = TypeVar("T")
 Mark = tuple[str, str, int, int]  #: a save as any folder holding it shows it: tag, job, number, save stamp (ns)
 
 
-def mark_of(tag: str, extra: Mapping[str, Any] | None) -> Mark | None:
+def mark_of(tag: str, extra: Mapping[str, Any] | None, ns: Any = None) -> Mark | None:
     """The identity of the save ``tag`` whose manifest's ``extra`` this is, wherever its folder is now (moved,
-    copied, mounted twice); ``None``: it has none (older versions: no save stamp)."""
-    ns = (extra or {}).get("saved_at_ns")
+    copied, mounted twice); ``ns``: a record's save time (``order[1]``: older versions' ``created``), else extra's."""
+    ns = (extra or {}).get("saved_at_ns") if ns is None else ns
     if not isinstance(ns, int) or isinstance(ns, bool) or ns <= 0:
         return None
     return (tag, str((extra or {}).get(JOB_KEY) or ""), sequence_of(extra), ns)
@@ -240,7 +240,7 @@ class SequenceCounter:
         numbered above (its saver's late commits too: a replacement overlapping the last save of its predecessor)."""
         job = (extra or {}).get(JOB_KEY)
         with self._lock:
-            self._parent, self.abandoned, self.mark = seq, tuple(abandoned), mark_of(tag, extra)
+            self._parent, self.abandoned = seq, tuple(abandoned)
             if not (job and job == self.job):  # (a roll-back to its own keeps the job it replaced: rev69i 3)
                 self._from = (str(job or ""), tag, seq)
             self._accepted = max(self._accepted, seq) if 0 <= seq < _MAX else self._accepted
@@ -332,7 +332,7 @@ class SequenceCounter:
         # goes on from there, a roll-back past the job's own newer saves too (rev72j M2)
         hint, at = self.hinted if not self._drawn else (None, 0)
         fresh = hint is not None and not any(r.order[1] > at for r in mine)
-        hinted = [r for r in committed if fresh and hint == mark_of(r.tag, r.extra)]
+        hinted = [r for r in committed if fresh and hint == mark_of(r.tag, r.extra, r.order[1])]
         if self._parent is not None or not (committed and self.job) or (committed[-1] in mine[-1:] and not hinted):
             return
         if mine and committed[-1] not in mine[-1:] and committed[-1].extra.get(JOB_KEY) is not None:

@@ -8,7 +8,7 @@ from itertools import chain
 from typing import Any
 
 __all__ = ["check_flag", "check_int", "check_process_group", "refuse_unflattenable"]
-__all__ += ["validate_tag", "is_valid_tag", "PARTIAL_SUFFIX"]  # (re-exported by smpckpt.catalog.root)
+__all__ += ["validate_tag", "is_valid_tag", "PARTIAL_SUFFIX", "validate_keep"]  # (re-exported by smpckpt.catalog.root)
 
 
 def check_flag(name: str, value: Any) -> bool:
@@ -341,3 +341,14 @@ def _tag_problem(tag: str) -> str | None:
 
 def is_valid_tag(tag: Any) -> bool:
     return isinstance(tag, str) and _tag_problem(tag) is None
+
+
+def validate_keep(keep: Any, what: str = "num_kept_partial_checkpoints") -> int | None:
+    """``None`` (keep everything) or a positive int; anything else raises :class:`ValueError`."""
+    if keep is None:
+        return None
+    if isinstance(keep, bool) or not isinstance(keep, int):
+        raise ValueError(f"{what} must be a positive int or None, got {keep!r}")
+    if keep < 1:
+        raise ValueError(f"{what} must be >= 1 (it counts the checkpoints kept, the new one included), got {keep}")
+    return keep

@@ -35,7 +35,7 @@ from smpckpt.catalog.root import partial_url, sequence_of
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointExists, CheckpointNotFound
 from smpckpt.storage import probe_checkpoint, tools
 from smpckpt.storage.backends._folder import Folder, flocked
-from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none
+from smpckpt.storage.backends._fs import folder_key, is_local, join, open_fs, read_bytes_or_none
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, open_sink
 from smpckpt.storage.format.commit import settle_uncommitted_folder
 from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, probe
@@ -453,6 +453,14 @@ def drain(
     def commit() -> None:
         commit_point()  # a drain given up on while a peer was silent commits nothing if that peer comes back
         _refuse_committed(fs, path, req.url, req.tag)
+        # a link re-pointed meanwhile: not this save's folder (rev72o L6: another run's got it, newest too). Refused,
+        # not written to the old folder: the run may have moved (its new folder the same run's); the fast tier keeps
+        # the save and the next save drains it again where path then names (nothing lost either way)
+        if tier.root_folder and (now := folder_key(req.root, req.storage_options)) != tier.root_folder:
+            raise CheckpointError(
+                f"{req.root} was re-pointed at {now} while {req.tag!r} drained (planned for {tier.root_folder}): "
+                "not committed there; the fast tier keeps the save and the next save drains it again"
+            )
         with Folder(fs, path) as folder:
             prepared.commit(folder, req.url, sync=copies.sync)
 

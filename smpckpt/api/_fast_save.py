@@ -52,7 +52,7 @@ from smpckpt.catalog.root import (
 )
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import probe_checkpoint
-from smpckpt.storage.backends._fs import is_local, open_fs
+from smpckpt.storage.backends._fs import folder_key, is_local, open_fs
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.commit import check_files, remove_folder
 from smpckpt.storage.format.manifest import FileRecord
@@ -119,9 +119,11 @@ class FastTierPart:
         back = abandoned_of(prepared.parsed().extra)  # what this save's history abandoned: retention keeps it
 
         def work() -> None:
+            drained = retry.prepared if retry is not None else prepared
             try:
                 with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
-                    drain(req, tier, retry.prepared if retry is not None else prepared, retry, self.counter.manifests)
+                    drain(req, tier, drained, retry, self.counter.manifests)
+                self.counter.landed(req.tag, drained.parsed().extra)  # the run path's folder holds (a move keeps it)
             finally:
                 with self.state.lock:  # a failed drain too: the next save may drain it again
                     self.state.held.discard(req.tag)
@@ -183,6 +185,8 @@ class TierPlan:
     newest_seen: tuple[str, str] | None = None
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
+    #: the folder ``path`` named when planned (``folder_key``: a link resolved): its drain commits there or nowhere
+    root_folder: str = ""
 
     @property
     def group(self) -> Any:
@@ -325,6 +329,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         *runs,
         offline=down,
         due=due_record(memory),
+        root_folder=folder_key(req.root, req.storage_options),
     )
     plan.phases["plan"] = time.monotonic() - started
     return plan

@@ -45,7 +45,12 @@ def retain_fast(tier: TierPlan, just_saved: str | None, abandoned: Ranges = ()) 
         return
     if removed:
         log.info("fast tier %s: kept %s checkpoint(s); removed %s", tier.job, keep, removed)
-    if back and just_saved is not None:  # once per save (not again after its drain): nothing else says it grows
+    # said when the set grows (a roll-back, by a save, not its drain), not again at each save (rev72m L: each node's
+    # first rank repeated it at every save until they were removed by hand)
+    with tier.memory.lock:
+        grew = {(tier.job, f"abandoned {t}") for t, _ in back} - tier.memory.warned if just_saved is not None else set()
+        tier.memory.warned |= grew
+    if grew:
         more = f" and {len(back) - _NAMED} more" if len(back) > _NAMED else ""
         log.warning(
             "fast tier %s: keeps %d checkpoint(s) a newer save records as abandoned (a roll-back by tag=, or saves "

@@ -22,6 +22,7 @@ from torch import nn
 
 from smpckpt._checks import check_flag
 from smpckpt.api._dist import DistContext
+from smpckpt.api._save import PlannerCache
 from smpckpt.api.checkpointer import Checkpointer, ResumeInfo, last_resume_info
 from smpckpt.api.options import (
     AsyncOptions,
@@ -292,7 +293,7 @@ def _checkpointer(
     ckpt = held if held_key == key and not stale else None
     if ckpt is None and held is not None and not stale and held_key[:2] + held_key[3:] == (key[:2] + key[3:]):
         # only the sharding differs, often by identity alone (a name_map lambda written at the call)
-        if held._rebind_sharding(sharding):
+        if _rebind_sharding(held, sharding):
             ckpt = held
             model.__dict__[_KEPT] = _Kept(ckpt, key)
     if ckpt is None:  # a new one in place of the one kept, which is waited for first; of the same root, it
@@ -316,8 +317,25 @@ def _checkpointer(
         if isinstance(model, nn.Module):
             model.__dict__[_KEPT] = _Kept(ckpt, key)
     elif save and ckpt.retention != retention:
-        ckpt._retain(retention)
+        ckpt.retention = retention  # the retention of the next saves, without a rebuild
+        ckpt._compared = {**ckpt._compared, **retention.compared()}
     return ckpt
+
+
+def _rebind_sharding(ckpt: Checkpointer, sharding: Sharding) -> bool:
+    """Take ``sharding`` into ``ckpt`` when only what compares by identity differs (same process group and layout):
+    a rebuild at every call would leave a gloo group, an exit hook and staging buffers behind. ``False``: it does
+    not fit."""
+    if sharding.process_group is not ckpt.sharding.process_group or sharding.join_timeout != ckpt.sharding.join_timeout:
+        return False  # (a join_timeout other than the one its join group was made with: a rebuild)
+    layout = sharding.layout if sharding.layout is not None else ParallelLayout(dp=ckpt._world)
+    if layout != ckpt.layout:
+        return False
+    ckpt.wait()  # the save in flight used the old mapping; its failure is raised here, as a rebuild would
+    ckpt.sharding = sharding
+    ckpt._compared = {**ckpt._compared, **sharding.compared()}
+    ckpt._planners = PlannerCache(ckpt._planners.workers)  # plans made under the old mapping are not reused
+    return True
 
 
 def _option_objects(options: Any, allowed: tuple[type, ...], call: type, partial: bool) -> dict[type, Any]:

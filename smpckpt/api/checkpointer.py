@@ -63,7 +63,8 @@ from smpckpt.api.options import (
     Sharding,
     check_groups,
 )
-from smpckpt.catalog.root import SequenceCounter, partial_url, validate_tag
+from smpckpt.catalog import holds_last
+from smpckpt.catalog.root import Mark, SequenceCounter, mark_of, partial_url, validate_tag
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.layout import KeyMapper, ParallelLayout
 from smpckpt.storage.backends._fs import folder_key, options_now
@@ -73,8 +74,11 @@ __all__ = ["Checkpointer", "last_resume_info", "ResumeInfo"]
 log = logging.getLogger("smpckpt.api")  # one logger for the API, whichever module logs
 
 # Per thread (and per asyncio task): concurrent resumes in one process never see each other's report.
-# With the root's folder key at the resume: a link re-pointed since moves no resume to its new folder (rev72a M1).
-_last_resume: contextvars.ContextVar[tuple[ResumeInfo, str] | None] = contextvars.ContextVar("smpckpt_last_resume")
+# With the checkpoint's identity (its save stamp: a link re-pointed at another run's folder moves no resume to it, rev72a
+# M1; the same run moved under the link keeps it) and the time of the resume (a save of this job since ends it).
+_last_resume: contextvars.ContextVar[tuple[ResumeInfo, Mark | None, int] | None] = contextvars.ContextVar(
+    "smpckpt_last_resume"
+)
 # the resume this thread is inside: a save from a signal handler run meanwhile (SIGTERM, preemption) would
 # commit half-loaded state as newest (hunt66d), so it is refused
 _resuming: contextvars.ContextVar[str] = contextvars.ContextVar("smpckpt_resuming", default="")
@@ -176,13 +180,27 @@ class Checkpointer:
         except (OSError, ValueError):  # refused by name where the location is first used
             return str(self.location.path).rstrip("/")
 
-    def _moved(self, root: str) -> None:
-        """The root's folder changed (a link re-pointed): its work in flight ends, its numbering starts afresh."""
-        log.warning("%s now names folder %s (was %s): numbered afresh there", self.location.path, root, self._root_key)
+    def _moved(self, root: str, decides: bool) -> None:
+        """The root's folder changed (a link re-pointed): its work in flight ends; another run's folder is numbered
+        afresh. ``decides`` (rank 0, which numbers): one read tells the same run moved under the link (or copied,
+        or mounted twice: it holds this job's last checkpoint, by its save stamp), whose history goes on (rev72o M1:
+        afresh, a roll-back was lost: retention removed its parent and kept the saves it abandoned)."""
         wait_lanes(self._save_lane, self._drain_lane, raise_errors=False)  # the save first: it submits its drain
+        if decides and holds_last(self._counter):
+            log.info(
+                "%s now names folder %s (was %s), holding this run: numbered on",
+                self.location.path,
+                root,
+                self._root_key,
+            )
+            return
+        log.warning("%s now names folder %s (was %s): numbered afresh there", self.location.path, root, self._root_key)
         self._counter = SequenceCounter(self.location.path, self._counter.storage_options)
-        if self._tier is not None:
-            self._tier = FastTierPart(self._tier.options, self._groups, self._counter, self._drain_lane)
+        if (old := self._tier) is not None:
+            self._tier = FastTierPart(old.options, self._groups, self._counter, self._drain_lane)
+            # what it drained went to the old folder: not due in the new one, nor "never reached" (rev72o L3)
+            self._tier.state.durable = old.state.durable
+            old.state.close()  # its threads (its work is done)
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.location.path!r}, {self.layout})"
@@ -240,29 +258,6 @@ class Checkpointer:
         """Block until the background save in flight and then the drain have finished; a failure of either
         is raised here (not again by the next save)."""
         wait_lanes(self._save_lane, self._drain_lane, raise_errors=True)
-
-    def _rebind_sharding(self, sharding: Sharding) -> bool:
-        """(smp's face) Take ``sharding`` when only what compares by identity differs (same process group and
-        layout): a rebuild at every call would leave a gloo group, an exit hook and staging buffers behind.
-        ``False``: it does not fit."""
-        if (
-            sharding.process_group is not self.sharding.process_group
-            or sharding.join_timeout != self.sharding.join_timeout
-        ):
-            return False  # (a join_timeout other than the one its join group was made with: a rebuild)
-        layout = sharding.layout if sharding.layout is not None else ParallelLayout(dp=self._world)
-        if layout != self.layout:
-            return False
-        self.wait()  # the save in flight used the old mapping; its failure is raised here, as a rebuild would
-        self.sharding = sharding
-        self._compared = {**self._compared, **sharding.compared()}
-        self._planners = PlannerCache(self._planners.workers)  # plans made under the old mapping are not reused
-        return True
-
-    def _retain(self, retention: Retention) -> None:
-        """(smp's face) The retention of the next saves, without a rebuild (see :meth:`_rebind_sharding`)."""
-        self.retention = retention
-        self._compared = {**self._compared, **retention.compared()}
 
     def close(self) -> None:
         """(every rank) :meth:`wait`, then end the lanes' threads, the step hooks, the staging buffers and
@@ -360,10 +355,10 @@ class Checkpointer:
             common, opts = ctx.agreed(check, what)
             self._counter.storage_options = common.storage_options  # a save's number read with its options
             if (root := self._folder()) != self._root_key:  # a link re-pointed: not that folder's history (rev72j M1)
-                self._moved(root)
+                self._moved(root, ctx.is_coordinator)
             self._root_key = root
             last = _last_resume.get(None)  # this thread's: a per-save Checkpointer (export too) goes on from it
-            self._counter.hint = last[0].tag if last is not None and last[1] == root else ""  # (rev69i 4)
+            self._counter.hinted = last[1:] if last is not None else (None, 0)  # (rev69i 4; catalog.root)
             if self.sharding.join_timeout is not None:  # every rank is here: the group later saves meet on
                 self._groups.get(ctx, "join", self.sharding.join_timeout)
             if tag is not None or cls is not ResumeOptions:
@@ -412,6 +407,7 @@ class Checkpointer:
             return
         sctx = DistContext(req.process_group)
         write_checkpoint(req, state, extra)
+        self._counter.landed(req.tag, extra)  # (rank 0's extra) the run this root's folder holds
         publish_newest(req, sctx, extra)
         log.info("saved checkpoint %s (%s) %s", req.url, req.layout, how)
         retain(req, sctx, self._counter.manifests)
@@ -533,12 +529,13 @@ class Checkpointer:
                 )
                 extra = target.manifest.extra if target.manifest is not None else None  # (rank 0's: it draws)
                 self._counter.resumed(target.order[0], target.abandoned, extra, target.tag)  # applied: catalog.root
+                self._counter.mark = mark_of(target.tag, extra, target.order[1])  # (rank 0's: it draws)
                 info = summarize(req, target, counts, restored, rng)
                 if reader is not None:
                     peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)
                     info = dataclasses.replace(info, tier="fast", from_peers=peers)
                 self.last_resume_info = info
-                _last_resume.set((info, self._root_key))
+                _last_resume.set((info, self._counter.mark, time.time_ns()))  # (rank 0's mark: it draws)
                 return user_content
 
     def _export(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -28,7 +29,8 @@ from smpckpt.storage import write_bytes_atomic
 from smpckpt.storage.backends._fs import translate_errors
 
 __all__ = ["write_abandoned", "read_abandoned", "decided_by_copy", "KeepLatestN", "select_for_removal", "split_lineage"]
-__all__ += ["lineage"]
+__all__ += ["lineage", "warn_kept"]
+log = logging.getLogger("smpckpt.catalog.retention")  # root.py's: logging configured for it applies
 
 _MAX_BYTES = 4096  #: the copy is a small JSON object; more is not ours and is not read whole
 
@@ -118,3 +120,19 @@ def select_for_removal(
     """Tags to delete, the oldest first."""
     preserve = KeepLatestN(keep).should_preserve(records, protected, abandoned)
     return [r.tag for r in sorted((r for r, p in zip(records, preserve) if not p), key=lambda r: r.order)]
+
+
+def warn_kept(root: str, committed: Sequence[CheckpointRecord]) -> None:
+    """A job that resumed none of ``root``'s ``committed`` checkpoints (another job's or run's, oldest first)
+    keeps them as abandoned (``SequenceCounter``): said once, at its first save."""
+    bare = [r.tag for r in committed if not r.order[0]]  # no number: no range can mark them (rev69c 6)
+    log.warning(
+        "%s holds %d checkpoint(s) of another job or run (the newest %r, sequence %d) and this job resumed "
+        "none: the numbered ones are kept as abandoned, never counted nor removed by retention (a job still "
+        "saving there is refused at its next save; remove them by hand once settled)%s",
+        *(root, len(committed), committed[-1].tag, committed[-1].order[0]),
+        f"; {bare[:5]} carry no sequence number (older versions, convert's outputs): they count as this "
+        "job's oldest and retention removes them: move them away first to keep them"
+        if bare
+        else "",
+    )

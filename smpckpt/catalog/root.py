@@ -31,7 +31,7 @@ from collections.abc import Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
-from smpckpt._checks import PARTIAL_SUFFIX, is_valid_tag, validate_tag
+from smpckpt._checks import PARTIAL_SUFFIX, is_valid_tag, validate_keep, validate_tag
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import (
     MANIFEST_NAME,
@@ -45,7 +45,7 @@ from smpckpt.storage import (
 from smpckpt.storage.backends._fs import StampedCache, is_local, ls_fresh, translate_errors
 
 __all__ = ["apply_retention", "RetentionResult", "validate_keep", "CheckpointRecord", "RecordState"]
-__all__ += ["scan_root", "record_order", "newest_tag"]
+__all__ += ["scan_root", "record_order", "newest_tag", "Mark", "mark_of"]
 __all__ += ["NEWEST_NAME", "PARTIAL_SUFFIX", "validate_tag", "is_valid_tag", "partial_dirname"]
 __all__ += ["tag_of_partial_dirname", "join_url", "partial_url", "read_newest", "write_newest", "list_partial_tags"]
 __all__ += ["open_root", "SEQUENCE_KEY", "sequence_of", "SequenceCounter", "newest_record"]
@@ -198,6 +198,16 @@ def sequence_of(extra: Mapping[str, Any] | None) -> int:
 #: the manifest ``extra`` entry naming the job (its rank 0's process, ``api._save.job_token``) that saved it
 JOB_KEY = "job"
 T = TypeVar("T")
+Mark = tuple[str, str, int, int]  #: a save as any folder holding it shows it: tag, job, number, save stamp (ns)
+
+
+def mark_of(tag: str, extra: Mapping[str, Any] | None, ns: Any = None) -> Mark | None:
+    """The identity of the save ``tag`` whose manifest's ``extra`` this is, wherever its folder is now (moved,
+    copied, mounted twice); ``ns``: a record's save time (``order[1]``: older versions' ``created``), else extra's."""
+    ns = (extra or {}).get("saved_at_ns") if ns is None else ns
+    if not isinstance(ns, int) or isinstance(ns, bool) or ns <= 0:
+        return None
+    return (tag, str((extra or {}).get(JOB_KEY) or ""), sequence_of(extra), ns)
 
 
 class SequenceCounter:
@@ -217,9 +227,12 @@ class SequenceCounter:
         self.abandoned: tuple[tuple[int, int], ...] = ()  #: what this job's history abandoned (roll-backs)
         self.manifests = ManifestCache()  #: the root's committed records this job read (its listings reuse them)
         self.offline = False  #: (a tiered save, the root unreachable) numbered from what it saw, listed later
-        self._from, self.hint = ("", "", 0), ""  #: the job, tag and number resumed (for good); this thread's (per save)
+        self._from = ("", "", 0)  #: the job, tag and number resumed (for good)
         self._unseen: tuple[CheckpointRecord, str, int] | None = None  #: another's unseen (an export saw it), our last
         self.newest_read: CheckpointRecord | None = None  #: path's newest committed, as the last draw read it
+        #: this job's last checkpoint in the root (committed there, or resumed): the run wherever its folder goes
+        self.mark: Mark | None = None
+        self.hinted: tuple[Mark | None, int] = (None, 0)  #: this thread's resume (``hint``) and when (ns)
 
     def resumed(self, seq: int, abandoned: Ranges, extra: Mapping[str, Any] | None = None, tag: str = "") -> None:
         """(once its state is applied) The job goes on from checkpoint ``seq`` (recording ``abandoned``; 0:
@@ -314,30 +327,27 @@ class SequenceCounter:
         self.newest_read = committed[-1] if committed else None
         self.saw(max((r.order[0] for r in committed), default=0), listed=True)
         mine = [r for r in committed if r.extra.get(JOB_KEY) == self.job]
-        if self._parent is not None or not (committed and self.job) or committed[-1] in mine[-1:]:
+        # this thread resumed it (a per-save Checkpointer; matched by the save, not the folder: a run moved under
+        # its link is the same run, another run's tag alike is not), and this job saved nothing since: its history
+        # goes on from there, a roll-back past the job's own newer saves too (rev72j M2)
+        hint, at = self.hinted if not self._drawn else (None, 0)
+        fresh = hint is not None and not any(r.order[1] > at for r in mine)
+        hinted = [r for r in committed if fresh and hint == mark_of(r.tag, r.extra, r.order[1])]
+        if self._parent is not None or not (committed and self.job) or (committed[-1] in mine[-1:] and not hinted):
             return
-        if mine and committed[-1].extra.get(JOB_KEY) is not None:
+        if mine and committed[-1] not in mine[-1:] and committed[-1].extra.get(JOB_KEY) is not None:
             last = (self._tag, self._drawn) if self._drawn else (mine[-1].tag, mine[-1].order[0])
             self._unseen = self._unseen or (committed[-1], *last)  # refused now, or at the next save after an export
-        if mine or self._drawn:  # (drawn offline: its history is its own, rev69c 7)
+        if (mine and not hinted) or self._drawn:  # (drawn offline: its history is its own, rev69c 7)
             return
-        hinted = [r for r in committed if r.tag == self.hint]  # this thread resumed it (a per-save Checkpointer)
         if hinted:  # its history goes on from there: not another run's (rev69c 5)
             with self._lock:
                 self._parent = self._accepted = hinted[0].order[0]
                 self.abandoned = tuple(p for p in abandoned_of(hinted[0].extra) if p[1] < self._parent)
         else:  # kept, never removed nor counted: a job may still be saving there
-            bare = [r.tag for r in committed if not r.order[0]]  # no number: no range can mark them (rev69c 6)
-            log.warning(
-                "%s holds %d checkpoint(s) of another job or run (the newest %r, sequence %d) and this job resumed "
-                "none: the numbered ones are kept as abandoned, never counted nor removed by retention (a job still "
-                "saving there is refused at its next save; remove them by hand once settled)%s",
-                *(self.root, len(committed), committed[-1].tag, committed[-1].order[0]),
-                f"; {bare[:5]} carry no sequence number (older versions, convert's outputs): they count as this "
-                "job's oldest and retention removes them: move them away first to keep them"
-                if bare
-                else "",
-            )
+            from smpckpt.catalog._abandoned import warn_kept  # (it imports this module)
+
+            warn_kept(self.root, committed)
             with self._lock:
                 self._parent = 0
 
@@ -345,11 +355,15 @@ class SequenceCounter:
         """What ``other`` (the counter of the Checkpointer this one's replaces, of the same root) knew."""
         with other._lock:
             state = other._highest, other._listed, other.read, other._parent, other.abandoned, other._drawn, other._tag
-            more = other._from, other._unseen, other._first, other._last, other._accepted, other._saves
+            more = other._from, other._unseen, other._first, other._last, other._accepted, other._saves, other.mark
         with self._lock:
             self._highest, self._listed, self.read, self._parent, self.abandoned, self._drawn, self._tag = state
-            self._from, self._unseen, self._first, self._last, self._accepted, self._saves = more
+            self._from, self._unseen, self._first, self._last, self._accepted, self._saves, self.mark = more
         self.manifests = other.manifests
+
+    def landed(self, tag: str, extra: Mapping[str, Any] | None) -> None:
+        """(rank 0) The save of ``tag`` (its manifest's ``extra``) is committed in the root (a drain's too)."""
+        self.mark = mark_of(tag, extra) or self.mark
 
     def record(self, tag: str) -> dict[str, Any]:
         """The manifest ``extra`` entries of the save of ``tag`` just drawn: the job, the history's abandoned ranges."""
@@ -486,17 +500,6 @@ def scan_root(
 def newest_tag(root_url: str, *, storage_options: Any = None) -> str | None:
     """The validated content of ``{root}/newest``, or ``None``."""
     return read_newest(*open_root(root_url, storage_options))
-
-
-def validate_keep(keep: Any, what: str = "num_kept_partial_checkpoints") -> int | None:
-    """``None`` (keep everything) or a positive int; anything else raises :class:`ValueError`."""
-    if keep is None:
-        return None
-    if isinstance(keep, bool) or not isinstance(keep, int):
-        raise ValueError(f"{what} must be a positive int or None, got {keep!r}")
-    if keep < 1:
-        raise ValueError(f"{what} must be >= 1 (it counts the checkpoints kept, the new one included), got {keep}")
-    return keep
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,16 +115,11 @@ def test_checkpointers_of_one_process_in_one_root_are_one_job(tmp_path: Any) -> 
     resume_from_checkpoint(root, model=m, optimizer=o)  # the newest: c1, this process's own
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="rev72j M2, open: this job's own saves end the listing before the resume's hint is used; going on from "
-    "the hint needs the root's highest number at the resume, which a tag resume does not list (fix72o)",
-)
 def test_a_per_save_checkpointer_goes_on_from_a_roll_back_of_this_process(tmp_path: Any) -> None:
     """rev72j M2: A saves s1, s2, s3; B (same process) resumes s1; C, built per save keeping 2, saves s4. s4 goes on
-    from s1: s2, s3 are its abandoned range (never counted); retention keeps s1 (s4's parent). Now: s4 records
-    no range (this job's own saves end the listing before the resume's hint is used) and s1 is removed."""
+    from s1: s2, s3 are its abandoned range (never counted); retention keeps s1 (s4's parent). Before (a strict
+    xfail): s4 recorded no range (this job's own saves ended the listing before the resume's hint was used) and s1
+    was removed. Now the hint is used while this job saved nothing since the resume (no save stamped after it)."""
     root = str(tmp_path)
     m, o = model()
     with Checkpointer(root) as a:
@@ -136,7 +131,29 @@ def test_a_per_save_checkpointer_goes_on_from_a_roll_back_of_this_process(tmp_pa
         c.save("s4", m, o)
     records = {r.tag: r for r in scan_root(root) if r.committed}
     assert records["s4"].extra.get("abandoned") == [[2, 3]], records["s4"].extra
-    assert sorted(records) == ["s1", "s2", "s3", "s4"]  # now: s1 removed
+    assert sorted(records) == ["s1", "s2", "s3", "s4"]  # before: s1 removed
+
+
+def test_a_second_per_save_checkpointer_goes_on_from_the_first_not_from_the_roll_back_again(tmp_path: Any) -> None:
+    """After the roll-back above (s4 went on from s1), D, built per save in the same thread keeping 2, saves s5: the
+    thread's resume of s1 is spent (s4 was saved after it), so s5 goes on from s4: it records no range of its own
+    (s4's [2, 3] stays s4's) and retention keeps s5 and s4, removing s1. A hint taken again would abandon s4,
+    the job's last save, and keep s1."""
+    root = str(tmp_path)
+    m, o = model()
+    with Checkpointer(root) as a:
+        for tag in ("s1", "s2", "s3"):
+            a.save(tag, m, o)
+    with Checkpointer(root) as b:
+        b.resume("s1", model=m, optimizer=o)
+    keep2 = Retention(num_kept_partial_checkpoints=2)
+    for tag in ("s4", "s5"):
+        with Checkpointer(root, retention=keep2) as each:
+            each.save(tag, m, o)
+    records = {r.tag: r for r in scan_root(root) if r.committed}
+    assert records["s4"].extra.get("abandoned") == [[2, 3]], records["s4"].extra
+    assert records["s5"].order[0] == 5 and "abandoned" not in records["s5"].extra, records["s5"].extra
+    assert sorted(records) == ["s2", "s3", "s4", "s5"]
 
 
 @pytest.mark.dist

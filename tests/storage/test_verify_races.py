@@ -21,12 +21,15 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.storage import remove_checkpoint, verify_checkpoint
 
 
-@pytest.mark.parametrize("how", ["removed", "replaced", "by hand"])
+@pytest.mark.parametrize("how", ["removed", "replaced", "by hand", "full removed"])
 def test_verify_tells_a_checkpoint_removed_or_replaced_meanwhile_from_damage(tmp_path: Any, how: str) -> None:
     model = torch.nn.Linear(16, 16)
     with Checkpointer(str(tmp_path)) as ck:
-        ck.save("s", model)
-    url = os.path.join(str(tmp_path), "s_partial")
+        if how == "full removed":  # a full artifact: its safetensors files are checked by the load's checks
+            ck.export("s", model=model)
+        else:
+            ck.save("s", model)
+    url = os.path.join(str(tmp_path), "s" if how == "full removed" else "s_partial")
     data = sorted(n for n in os.listdir(url) if n.endswith(".distcp"))
     fired: list[int] = []
 
@@ -34,7 +37,7 @@ def test_verify_tells_a_checkpoint_removed_or_replaced_meanwhile_from_damage(tmp
         if fired:
             return
         fired.append(done)
-        if how == "removed":  # another process's retention or prune
+        if how.endswith("removed"):  # another process's retention or prune
             remove_checkpoint(url)
         elif how == "replaced":  # another process's save(overwrite=True)
             with Checkpointer(str(tmp_path)) as again:
@@ -51,7 +54,7 @@ def test_verify_tells_a_checkpoint_removed_or_replaced_meanwhile_from_damage(tmp
         verify_checkpoint(url, progress=meanwhile)
     assert fired
     assert not isinstance(caught.value, CheckpointCorrupt), repr(caught.value)
-    assert f"{url} was {how}" in str(caught.value) and "verify again" in str(caught.value), caught.value
+    assert f"{url} was {how.split()[-1]}" in str(caught.value) and "verify again" in str(caught.value), caught.value
     if how == "replaced":  # and verifying again checks the new generation, which is whole
         report = verify_checkpoint(url)
         assert report.problems == () and report.files_checked == len(data) + 1, report

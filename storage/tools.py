@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none, translate_errors
 from smpckpt.storage.format._checksum import hash_rows
-from smpckpt.storage.format.commit import remove_folder
+from smpckpt.storage.format.commit import generation_gone, remove_folder
 from smpckpt.storage.format.manifest import (  # the two openers by URL live with the probe they wrap
     MANIFEST_NAME,
     METADATA_NAME,
@@ -130,6 +130,10 @@ def verify_checkpoint(
         # then a full artifact's safetensors files (they have no block list: their bytes are counted there)
         problems += load_problems(url, fs, path, manifest, storage_options, count.tick)
         count.report()
+    # a generation another save replaced, or a removal took, while this verify read it is no damage: said so,
+    # as a load says it, not reported as files missing (hunt73b); files deleted by hand stay problems
+    if problems and (gone := generation_gone(fs, path, url, manifest, "verify")) is not None:
+        raise gone
     return VerifyReport(url, "committed", len(manifest.files) + 1, count.done, tuple(problems), True, tuple(warnings))
 
 

@@ -31,7 +31,7 @@ from typing import Any
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends import _nofollow as nf
 from smpckpt.storage.backends._folder import Folder
-from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none
+from smpckpt.storage.backends._fs import file_sizes, is_local, join, read_bytes_or_none
 from smpckpt.storage.format.manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -41,10 +41,12 @@ from smpckpt.storage.format.manifest import (
     FileRecord,
     Manifest,
     marker_owner,
+    probe,
 )
 
 __all__ = ["CommitUncertain", "commit_uncertain", "check_named", "check_files", "settle_uncommitted_folder", "commit"]
 __all__ += ["publish_staged", "remove_folder", "remove_staged", "committed_save_id", "refuse_marked_overwrite"]
+__all__ += ["generation_gone"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,32 @@ def committed_save_id(folder: Folder) -> str | None:
         return Manifest.from_bytes(data).save_id if data is not None else None
     except (CheckpointError, OSError):
         return None
+
+
+def generation_gone(fs: Any, path: str, url: str, manifest: Manifest, doing: str) -> CheckpointError | None:
+    """(a file of the committed generation ``manifest`` missing) The error saying another save replaced it or a
+    removal took it (no damage: ``doing`` again works; ``doing``: "load", "verify"); ``None`` when its manifest
+    is still there, or its files were deleted by hand. A load and ``verify`` share it (hunt73b: verify reported
+    such a checkpoint's files "missing", a false alarm of damage)."""
+    names: set[str] = set()  # every file, prefix folders' too, as the store holds them now
+    try:
+        now = probe(fs, path).manifest
+        if now is None:
+            fs.invalidate_cache(path)
+            with contextlib.suppress(FileNotFoundError):  # the folder gone whole
+                names = set(file_sizes(fs, path))
+    except Exception:  # noqa: BLE001 - the missing file's own report is the one to give
+        return None
+    if now is not None and now.save_id == manifest.save_id:
+        return None
+    # no manifest but files of the generation read (their names hold its save id, not their prefix folders
+    # such as S3's `0/`: every generation's, rev64a F1; a file in one counts, rev64d F2), with no removal's
+    # mark (set before the manifest goes, dropped after the last file) nor a full save's: deleted by hand
+    read = {f.name for f in manifest.files} | {manifest.metadata.name}
+    if names & read and not names & {REMOVING_NAME, WRITING_MARKER}:
+        return None
+    what = "removed (retention, prune or another job)" if now is None else "replaced by another save (overwrite=True)"
+    return CheckpointError(f"{url} was {what} while this {doing} read it (not damaged): {doing} again")
 
 
 def _create_own(folder: Folder, url: str, files: Mapping[str, bytes], *, sync: bool) -> None:

@@ -36,7 +36,6 @@ from smpckpt.storage.backends._fs import (
     FsspecLocation,
     confine,
     default_read_threads,
-    file_sizes,
     is_local,
     join,
     read_bytes_or_none,
@@ -46,6 +45,7 @@ from smpckpt.storage.format._columns import REQUEST_COST_BYTES
 from smpckpt.storage.format._reading import ReadStats, device_read_bytes
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format._staging import MIN_STAGING_BYTES, STAGING_BYTES
+from smpckpt.storage.format.commit import generation_gone
 from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, FileRecord, Manifest, Probe, probe
 from smpckpt.storage.full._commit import folder_names
 from smpckpt.storage.full._read import FullSource
@@ -247,27 +247,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         still there, or it was damaged by hand."""
         if self.manifest is None:
             return None
-        names: set[str] = set()  # every file, prefix folders' too, as the store holds them now
-        try:
-            now = probe(self.fs, self.path).manifest
-            if now is None:
-                self.fs.invalidate_cache(self.path)
-                with contextlib.suppress(FileNotFoundError):  # the folder gone whole
-                    names = set(file_sizes(self.fs, self.path))
-        except Exception:  # noqa: BLE001 - the missing file's own error is the one to raise
-            return None
-        if now is not None and now.save_id == self.manifest.save_id:
-            return None
-        # no manifest but files of the generation read (their names hold its save id, not their prefix folders
-        # such as S3's `0/`: every generation's, rev64a F1; a file in one counts, rev64d F2), with no removal's
-        # mark (set before the manifest goes, dropped after the last file) nor a full save's: deleted by hand
-        read = {f.name for f in self.manifest.files} | {self.manifest.metadata.name}
-        if names & read and not names & {_names.REMOVING_NAME, _names.WRITING_MARKER}:
-            return None
-        what = (
-            "removed (retention, prune or another job)" if now is None else "replaced by another save (overwrite=True)"
-        )
-        return CheckpointError(f"{self.url} was {what} while this load read it (not damaged): load again")
+        return generation_gone(self.fs, self.path, self.url, self.manifest, "load")
 
     def _read_metadata(self) -> Metadata:
         """The folder's format, decided once here (``self.source`` set: a full artifact or a folder without

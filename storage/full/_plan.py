@@ -34,6 +34,7 @@ from smpckpt.errors import CheckpointError, SpecError
 from smpckpt.hf import check_config_tensors, check_translation
 from smpckpt.model.translation import Expr, Leaf, Translation, pieces
 from smpckpt.storage.format._reading import Box, intersect
+from smpckpt.storage.full import _source
 from smpckpt.storage.full._source import (
     ArtifactFile,
     ArtifactLayout,
@@ -197,6 +198,17 @@ def _translated(
     return out
 
 
+#: header bytes besides the tensors' entries: braces, ``__metadata__`` and the padding to 8 bytes
+_HEADER_SLACK = 4096
+
+
+def _header_bound(key: str, dtype: torch.dtype, shape: Sequence[int], total: int) -> int:
+    """At least the bytes ``key``'s entry takes in a safetensors header (its offsets are at most ``total``)."""
+    # '"k":{"dtype":"F32","shape":[2,3],"data_offsets":[a,b]},' counted, not encoded (a million keys)
+    shape_text = len(",".join(str(int(s)) for s in shape))
+    return len(json.dumps(key)) + 44 + len(_source.DTYPE_NAMES.get(dtype, "")) + shape_text + 2 * len(str(total))
+
+
 def _files(
     art_shapes: Mapping[str, Mapping[str, tuple[int, ...]]],
     art_dtypes: Mapping[str, Mapping[str, torch.dtype]],
@@ -218,13 +230,18 @@ def _files(
             count = max(-(-total // (5 * 10**9)), min(2 * world, total // (256 << 20), 64), 1)  # integer ceilings
             cap = max(1, -(-total // count))
         groups: list[list[str]] = [[]]
-        size = 0
+        size = head = 0
+        # a safetensors file is also cut before its header passes the readers' limit (MAX_HEADER, 100 MB:
+        # about a million small tensors, an MoE's unfused experts); bytes alone made one file no reader opens
+        head_cap = _source.MAX_HEADER - _HEADER_SLACK if file_format == "safetensors" else None
         for k, n in nbytes.items():
-            if groups[-1] and size + n > cap:
+            h = _header_bound(k, dtypes[k], art_shapes[art][k], total) if head_cap is not None else 0
+            if groups[-1] and (size + n > cap or (head_cap is not None and head + h > head_cap)):
                 groups.append([])
-                size = 0
+                size = head = 0
             groups[-1].append(k)
             size += n
+            head += h
         stem, ext = (art, "safetensors") if file_format == "safetensors" else (_TORCH_STEMS.get(art, art), "bin")
         names = (
             [f"{stem}.{ext}"]

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
+from smpckpt._checks import check_flag
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, UnsafeCheckpoint, quantized_record_fits
 from smpckpt.model.layout import (
@@ -132,13 +133,12 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         keep_tied: Sequence[str] = (),
     ) -> None:
         self._set_scope(layout, specs, rank, name_map, process_group, rank_local, held_by_some)
-        self.allow_partial_load = allow_partial_load
-        self.allow_dtype_cast = allow_dtype_cast
-        self.allow_pickle = allow_pickle
-        self._optional = compile_globs(optional)
-        if isinstance(keep_tied, str) or not all(isinstance(g, str) for g in keep_tied):
-            raise TypeError(f"keep_tied must be a sequence of key globs, got {keep_tied!r}")
-        self._ties = TiedLoads(compile_globs(keep_tied))
+        # checked: "False" would read as True, making every key optional or casting (hunt73c F1)
+        self.allow_partial_load = check_flag("allow_partial_load", allow_partial_load)
+        self.allow_dtype_cast = check_flag("allow_dtype_cast", allow_dtype_cast)
+        self.allow_pickle = check_flag("allow_pickle", allow_pickle)
+        self._optional = compile_globs(optional, "optional")
+        self._ties = TiedLoads(compile_globs(keep_tied, "keep_tied"))
         self._shared = SharedMemoryLoads()
         self.report: LoadReport | None = None
 

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import Replicate
 
+from smpckpt._checks import check_flag
 from smpckpt._gc import gc_paused
 from smpckpt.errors import ReplicaMismatch, SpecError
 from smpckpt.model.layout import METADATA_KEY, RESERVED, LayoutRecord, NameMap, ParallelLayout
@@ -289,10 +290,10 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         if cache_scope not in ("global", "local"):
             raise SpecError(f"cache_scope must be 'global' or 'local', got {cache_scope!r}")
         self.replica_owner = replica_owner
-        self.enable_plan_caching = enable_plan_caching
+        self.enable_plan_caching = check_flag("enable_plan_caching", enable_plan_caching)
         self.cache_scope = cache_scope
-        self.dedup_tied = dedup_tied
-        self.verify_replicas = verify_replicas
+        self.dedup_tied = check_flag("dedup_tied", dedup_tied)  # "False" read as True
+        self.verify_replicas = check_flag("verify_replicas", verify_replicas)
         self.report: SaveReport | None = None
         self.entries: dict[str, Entry] = {}
         self.tied: dict[str, str] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -408,3 +409,14 @@ def test_optimizer_state_inherits_its_own_parameters_spec_not_the_one_its_global
     dest = [{"model": {"w": torch.zeros(4, 2)}, "optim": {"state": {"w": {"exp_avg": torch.zeros(4, 2)}}}}]
     sim_load(dest, [ParallelLoadPlanner(ParallelLayout(), rules, rank=0, name_map=name_map)], [MemoryReader(store)])
     assert torch.equal(dest[0]["model"]["w"], w) and torch.equal(dest[0]["optim"]["state"]["w"]["exp_avg"], 10 * w)
+
+
+@pytest.mark.parametrize(
+    "kw", [{"sizes": (2.5, 1.5)}, {"sizes": "12"}, {"sizes": (True, 2)}, {"view": (1.5, 4)}, {"view": "34"}]
+)
+def test_shard_spec_extents_that_are_not_ints_are_refused_by_name(kw):
+    # hunt73c F3 (older): int() truncated them, and a string was read a digit at a time ("12" -> sizes (1, 2))
+    with pytest.raises(SpecError, match=next(iter(kw))):
+        ShardSpec(0, **kw)
+    assert ShardSpec(0, sizes=[3, np.int64(1)]).sizes == (3, 1)  # numpy's ints are ints
+    assert ShardSpec(1, view=torch.Size([3, -1])).view == (3, -1)

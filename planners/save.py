@@ -47,7 +47,7 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import ReplicaMismatch, SpecError
 from smpckpt.model.layout import METADATA_KEY, RESERVED, LayoutRecord, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
-from smpckpt.planners._cache import PlanCache, compact, hinted, structure_signature, tensor_write_item
+from smpckpt.planners._cache import PlanCache, check_plan_ranks, compact, hinted, structure_signature, tensor_write_item
 from smpckpt.planners._entries import (
     Entry,
     LayoutScope,
@@ -474,6 +474,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             return empty, metadata
         full = self._cache.substitute(all_plans)
         self.layout.check_world_size(len(full), "dcp.save's world")
+        check_plan_ranks(full, self.layout, self.rules, "dcp.save")
         self.rules.check_matched(any((p.planner_data or {}).get("matched", 1) for p in full))
         check_replica_digests(self.layout, full)
         check_replica_values(all_plans, full, self.layout)  # this save's values; cached plans' key lists

@@ -882,3 +882,22 @@ def test_a_strict_load_given_the_string_false_does_not_skip_a_missing_key():
     assert torch.equal(dest["w"], torch.ones(2)) and torch.equal(dest["rng.x"], torch.zeros(1))
     with pytest.raises(LayoutMismatch, match="not in the checkpoint: b "):
         load([{"w": torch.zeros(2), "b": torch.zeros(1)}], ParallelLayout(), store, optional=("rng.*",))
+
+
+def test_planners_given_ranks_other_than_their_place_in_the_world_are_refused():
+    # hunt73c F5 (older, HIGH where it bites): DCP gathers plans in the process group's order; a planner given
+    # another rank= (a rank formula of the user's own, LOCAL_RANK) wrote rank 0's rows at rank 1's offsets and a
+    # load read rank 1's rows into rank 0: silently, pieces swapped
+    specs = {"w": ShardSpec(0)}
+    sds = [tp_state(r) for r in range(2)]
+    with pytest.raises(SpecError, match=r"rank 1 .* place 0"):
+        sim_save(
+            sds, [ParallelSavePlanner(TP2, specs, rank=1 - r) for r in range(2)], [MemoryWriter(MemoryStore())] * 2
+        )
+    store, _ = save(sds, TP2, specs)
+    dests = [tp_state(r, blank=True) for r in range(2)]
+    with pytest.raises(SpecError, match=r"rank 1 .* place 0"):
+        sim_load(dests, [ParallelLoadPlanner(TP2, specs, rank=1 - r) for r in range(2)], [MemoryReader(store)] * 2)
+    one = tp_state(1, blank=True)  # one process planning rank 1's piece alone (offline) stays allowed
+    sim_load([one], [ParallelLoadPlanner(TP2, specs, rank=1)], [MemoryReader(store)])
+    assert torch.equal(one["w"], FULL.chunk(2)[1])

@@ -224,6 +224,16 @@ def test_a_checkpoint_folder_given_as_the_root_is_named_in_the_error(tmp_path: A
     save_checkpoint(str(tmp_path), "t", model=_model())
     with pytest.raises(CheckpointNotFound, match=r"is itself a checkpoint folder: pass its parent as path .*tag='t'"):
         resume_from_checkpoint(str(tmp_path / "t_partial"), model=_model())
+    # hunt73c F6 (older, MEDIUM): with missing_ok the same mistake started fresh (None), the checkpoint never read;
+    # so did the root and tag joined without the suffix ("{root}/t")
+    from smpckpt.api.options import ResumeOptions
+
+    for wrong in (tmp_path / "t_partial", tmp_path / "t"):
+        with pytest.raises(CheckpointNotFound, match=r"(itself a checkpoint folder|joins a root and a tag).*tag='t'\)"):
+            resume_from_checkpoint(str(wrong), model=_model(), options=ResumeOptions(missing_ok=True))
+    assert (
+        resume_from_checkpoint(str(tmp_path / "fresh"), model=_model(), options=ResumeOptions(missing_ok=True)) is None
+    )
 
 
 def test_an_io_error_outside_dcp_is_a_checkpoint_error_naming_the_object(tmp_path: Any, monkeypatch: Any) -> None:

@@ -163,6 +163,17 @@ def test_options_object_or_keywords_not_both(tmp_path: Any) -> None:
         resume_from_checkpoint(str(tmp_path), model=dst, strict=False, options=ResumeOptions())
 
 
+def test_full_options_refuse_a_dtype_that_is_not_floating_point() -> None:
+    # hunt73c F8 (older, MEDIUM): ExportOptions refused it, FullOptions (FullArtifactWriter, consolidate_checkpoint)
+    # cast the weights into it: [1.7, -2.6, 300.0] written as int8 [1, -2, 44], as bool all True
+    from smpckpt.storage import FullOptions
+
+    for dtype in (torch.int8, torch.bool, torch.complex64):
+        with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
+            FullOptions(dtype=dtype)
+    assert FullOptions(dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
 def test_full_saves_refuse_integer_dtypes_and_bad_counts(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
         save_checkpoint(str(tmp_path), "f", partial=False, model=_model(), dtype=torch.int8)

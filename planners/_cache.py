@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import pickle
 import secrets
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
@@ -231,6 +231,29 @@ GENERATION = "smpckpt_plan_generation"
 def _copy(metadata: Metadata) -> Metadata:
     """A deep copy through pickle (Metadata must pickle anyway), much faster than ``copy.deepcopy``."""
     return cast(Metadata, pickle.loads(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)))
+
+
+def check_plan_ranks(plans: Sequence[SavePlan | LoadPlan], layout: Any, rules: Any, what: str) -> None:
+    """(coordinator) DCP gathers plans in the process group's order, so each plan's place is its rank: a planner
+    given another ``rank=`` (a rank formula other than the group's, ``LOCAL_RANK``) put its rows at another
+    rank's offsets, or read another rank's, silently (hunt73c F5). Refused where the two ranks hold other pieces
+    (another TP rank or stage; another DP rank under a ``dp`` spec) and the plans make the layout's whole world
+    (one process may plan one rank's piece alone, offline)."""
+    if len(plans) != layout.world_size:
+        return
+    dp = any(s["axis"] == "dp" for rule in rules.to_records() for s in rule["specs"])
+    wrong = []
+    for place, plan in enumerate(plans):
+        rank = (plan.planner_data or {}).get("rank", place)
+        given, at = layout.coords(rank), layout.coords(place)
+        if (given.tp, given.pp, given.dp if dp else 0) != (at.tp, at.pp, at.dp if dp else 0):
+            wrong.append(f"rank {rank} at place {place}")
+    if wrong:
+        raise SpecError(
+            f"{what}: planners were given ranks other than their place in the process group ({', '.join(wrong[:4])}): "
+            "pass rank=None (the group's own) or the group's rank (dist.get_rank(group)); an explicit rank is for "
+            "one process planning without a process group"
+        )
 
 
 def pinning_possible() -> bool:

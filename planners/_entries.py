@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from smpckpt._checks import check_process_group
+from smpckpt._checks import check_int, check_process_group
 from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_plain, quantized_record_fits
 from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
@@ -84,8 +84,12 @@ _NOT_SPLIT: frozenset[str] = frozenset()
 _STRIDED = torch.strided
 
 
-def compile_globs(patterns: Iterable[str]) -> re.Pattern[str] | None:
-    patterns = list(patterns)
+def compile_globs(patterns: Iterable[str], name: str = "globs") -> re.Pattern[str] | None:
+    """``patterns`` as one regex; a lone string is refused: it would be a glob per character, its ``*`` any key."""
+    listed = [] if isinstance(patterns, (str, bytes)) else list(patterns)
+    if isinstance(patterns, (str, bytes)) or not all(isinstance(p, str) for p in listed):
+        raise TypeError(f"{name} must be a list of key globs (str), got {patterns!r}")
+    patterns = listed
     if not patterns:
         return None
     return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
@@ -380,6 +384,7 @@ class LayoutScope:
         if not isinstance(layout, ParallelLayout):
             raise SpecError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
         check_process_group(process_group)
+        check_int("rank", rank, minimum=0, optional=True)  # True or 1.0 failed later, by no name
         self.layout = layout
         self.rules = SpecRules.of(specs)
         self._rank_arg = rank

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
+from smpckpt._checks import check_flag
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, UnsafeCheckpoint, quantized_record_fits
 from smpckpt.model.layout import (
@@ -49,7 +50,7 @@ from smpckpt.model.layout import (
     checkpoint_ties,
 )
 from smpckpt.model.specs import SpecLike, SpecRules
-from smpckpt.planners._cache import compact
+from smpckpt.planners._cache import check_plan_ranks, compact
 from smpckpt.planners._entries import (
     Entry,
     LayoutScope,
@@ -132,13 +133,12 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         keep_tied: Sequence[str] = (),
     ) -> None:
         self._set_scope(layout, specs, rank, name_map, process_group, rank_local, held_by_some)
-        self.allow_partial_load = allow_partial_load
-        self.allow_dtype_cast = allow_dtype_cast
-        self.allow_pickle = allow_pickle
-        self._optional = compile_globs(optional)
-        if isinstance(keep_tied, str) or not all(isinstance(g, str) for g in keep_tied):
-            raise TypeError(f"keep_tied must be a sequence of key globs, got {keep_tied!r}")
-        self._ties = TiedLoads(compile_globs(keep_tied))
+        # checked: "False" would read as True, making every key optional or casting (hunt73c F1)
+        self.allow_partial_load = check_flag("allow_partial_load", allow_partial_load)
+        self.allow_dtype_cast = check_flag("allow_dtype_cast", allow_dtype_cast)
+        self.allow_pickle = check_flag("allow_pickle", allow_pickle)
+        self._optional = compile_globs(optional, "optional")
+        self._ties = TiedLoads(compile_globs(keep_tied, "keep_tied"))
         self._shared = SharedMemoryLoads()
         self.report: LoadReport | None = None
 
@@ -285,7 +285,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if tied:
             logger.info("rank %d: tied keys loaded through another key: %s", self.rank, _show(sorted(tied)))
         # gathered on the coordinator; "empty" and "covered" keys count as asked for in its unexpected-key check
-        return compact(LoadPlan(items, planner_data={"empty": empty + tied_covered}))
+        return compact(LoadPlan(items, planner_data={"empty": empty + tied_covered, "rank": self.rank}))
 
     def _stateless_when_saved(
         self, missing: list[str], sources: Mapping[str, str], md_all: Mapping[str, Any]
@@ -358,8 +358,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         The reverse too, where exact: a destination under a spec's view whose piece is the whole tensor
         (TP=1) reads a tensor saved before the view, in one whole chunk of the model's own shape (a Llama
         ``gate_up_proj.bias`` saved ``[2I]`` by a TP=1 run whose specs had no rule for it, resumed under
-        ``view=(2, -1)``): the same bytes. A split piece (TP>1) stays a mismatch: its bytes are not one
-        box of the saved shape."""
+        ``view=(2, -1)``): the same bytes. A split piece (TP>1) stays a mismatch (not one box of the saved shape)."""
         shape = tuple(entry.global_shape or ())
         if entry.dtensor is not None or entry.kind != "tensor" or math.prod(md.size) != math.prod(shape):
             return None
@@ -417,6 +416,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         """(coordinator) The unexpected-key check over every rank's requests (under PP each stage
         asks for its own keys only, so no single rank can make it)."""
+        check_plan_ranks(global_plan, self.layout, self.rules, "dcp.load")
         self._refuse_layers_two_stages_load(global_plan)
         asked: set[str] = set()
         for plan in global_plan:

@@ -42,11 +42,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import Replicate
 
+from smpckpt._checks import check_flag
 from smpckpt._gc import gc_paused
 from smpckpt.errors import ReplicaMismatch, SpecError
 from smpckpt.model.layout import METADATA_KEY, RESERVED, LayoutRecord, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
-from smpckpt.planners._cache import PlanCache, compact, hinted, structure_signature, tensor_write_item
+from smpckpt.planners._cache import PlanCache, check_plan_ranks, compact, hinted, structure_signature, tensor_write_item
 from smpckpt.planners._entries import (
     Entry,
     LayoutScope,
@@ -289,10 +290,10 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         if cache_scope not in ("global", "local"):
             raise SpecError(f"cache_scope must be 'global' or 'local', got {cache_scope!r}")
         self.replica_owner = replica_owner
-        self.enable_plan_caching = enable_plan_caching
+        self.enable_plan_caching = check_flag("enable_plan_caching", enable_plan_caching)
         self.cache_scope = cache_scope
-        self.dedup_tied = dedup_tied
-        self.verify_replicas = verify_replicas
+        self.dedup_tied = check_flag("dedup_tied", dedup_tied)  # "False" read as True
+        self.verify_replicas = check_flag("verify_replicas", verify_replicas)
         self.report: SaveReport | None = None
         self.entries: dict[str, Entry] = {}
         self.tied: dict[str, str] = {}
@@ -473,6 +474,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             return empty, metadata
         full = self._cache.substitute(all_plans)
         self.layout.check_world_size(len(full), "dcp.save's world")
+        check_plan_ranks(full, self.layout, self.rules, "dcp.save")
         self.rules.check_matched(any((p.planner_data or {}).get("matched", 1) for p in full))
         check_replica_digests(self.layout, full)
         check_replica_values(all_plans, full, self.layout)  # this save's values; cached plans' key lists

@@ -357,3 +357,17 @@ def test_conversion_into_a_numbered_root_warns_that_it_has_no_number(
         convert_checkpoint(tmp_path / "root" / "s1_partial", tmp_path / "out" / "conv_partial", to="dcp")
         convert_checkpoint(tmp_path / "root" / "s1_partial", tmp_path / "out" / "other_partial", to="dcp")
         convert_checkpoint(tmp_path / "root" / "s1_partial", tmp_path / "plain", to="dcp")
+
+
+@pytest.mark.parametrize(
+    "kw", [{"overwrite": "False"}, {"keep_view_shapes": "no"}, {"include_optimizer": "False"}, {"progress": None}]
+)
+def test_convert_and_consolidate_refuse_flags_that_are_not_bools_before_reading(tmp_path: Path, kw: dict) -> None:
+    # hunt73c F9 (older, MEDIUM for overwrite): convert_checkpoint(overwrite="False") replaced an existing OUT file,
+    # keep_view_shapes="no" kept the views; every flag is refused by name now, before the source is read
+    from smpckpt.tools.consolidate import consolidate_checkpoint
+    from smpckpt.tools.convert import convert_checkpoint
+
+    fn = consolidate_checkpoint if next(iter(kw)) in ("include_optimizer", "progress") else convert_checkpoint
+    with pytest.raises(TypeError, match=next(iter(kw))):
+        fn(str(tmp_path / "absent"), str(tmp_path / "out"), **kw)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -467,3 +468,14 @@ def test_held_by_some_optimizer_state_follows_its_own_parameter_under_a_name_map
          "optim.state.experts.1.w.exp_avg"]
     )  # fmt: skip
     assert torch.equal(saved["optim.state.experts.1.w.exp_avg"], 2 * (w + 1))
+
+
+@pytest.mark.parametrize(
+    "kw", [{"sizes": (2.5, 1.5)}, {"sizes": "12"}, {"sizes": (True, 2)}, {"view": (1.5, 4)}, {"view": "34"}]
+)
+def test_shard_spec_extents_that_are_not_ints_are_refused_by_name(kw):
+    # hunt73c F3 (older): int() truncated them, and a string was read a digit at a time ("12" -> sizes (1, 2))
+    with pytest.raises(SpecError, match=next(iter(kw))):
+        ShardSpec(0, **kw)
+    assert ShardSpec(0, sizes=[3, np.int64(1)]).sizes == (3, 1)  # numpy's ints are ints
+    assert ShardSpec(1, view=torch.Size([3, -1])).view == (3, -1)

@@ -846,3 +846,58 @@ def test_a_checkpoint_saved_with_quantized_tensors_still_loads_their_integers():
         planner = ParallelLoadPlanner(ParallelLayout(), allow_partial_load=True, allow_dtype_cast=True)
         with pytest.raises(BaseException, match=said):
             dcp.load({"model.q8": dest}, storage_reader=FsspecStorageReader(folder), planner=planner, no_dist=True)
+
+
+@pytest.mark.parametrize(
+    "planner, kw",
+    [
+        (ParallelLoadPlanner, {"allow_partial_load": "False"}),
+        (ParallelLoadPlanner, {"allow_dtype_cast": "no"}),
+        (ParallelLoadPlanner, {"allow_pickle": 0}),
+        (ParallelLoadPlanner, {"optional": "rng.*"}),
+        (ParallelLoadPlanner, {"optional": ["rng.*", 3]}),
+        (ParallelLoadPlanner, {"keep_tied": "model.lm_head.weight"}),
+        (ParallelSavePlanner, {"dedup_tied": "False"}),
+        (ParallelSavePlanner, {"verify_replicas": None}),
+        (ParallelSavePlanner, {"enable_plan_caching": "off"}),
+        (ParallelSavePlanner, {"rank": True}),
+        (ParallelLoadPlanner, {"rank": 1.0}),
+    ],
+)
+def test_a_planner_option_that_could_mean_two_things_is_refused_by_name(planner, kw):
+    # hunt73c F1/F2 (older): a truthy string took the unsafe reading silently -- allow_partial_load="False" made
+    # every key optional, and one string of optional= globs was a glob per character, its '*' matching every key
+    with pytest.raises(TypeError, match=next(iter(kw))):
+        planner(ParallelLayout(), **kw)
+
+
+def test_a_strict_load_given_the_string_false_does_not_skip_a_missing_key():
+    # before: both loads passed, 'b' (absent from the checkpoint) silently left at its old value
+    store, _ = save([{"w": torch.ones(2)}], ParallelLayout())
+    for kw in ({"allow_partial_load": "False"}, {"optional": "rng.*"}):  # meant: strict, rng.* alone optional
+        with pytest.raises(TypeError, match=next(iter(kw))):
+            load([{"w": torch.zeros(2), "b": torch.zeros(1)}], ParallelLayout(), store, **kw)
+    dest = {"w": torch.zeros(2), "rng.x": torch.zeros(1)}
+    load([dest], ParallelLayout(), store, optional=["rng.*"])
+    assert torch.equal(dest["w"], torch.ones(2)) and torch.equal(dest["rng.x"], torch.zeros(1))
+    with pytest.raises(LayoutMismatch, match="not in the checkpoint: b "):
+        load([{"w": torch.zeros(2), "b": torch.zeros(1)}], ParallelLayout(), store, optional=("rng.*",))
+
+
+def test_planners_given_ranks_other_than_their_place_in_the_world_are_refused():
+    # hunt73c F5 (older, HIGH where it bites): DCP gathers plans in the process group's order; a planner given
+    # another rank= (a rank formula of the user's own, LOCAL_RANK) wrote rank 0's rows at rank 1's offsets and a
+    # load read rank 1's rows into rank 0: silently, pieces swapped
+    specs = {"w": ShardSpec(0)}
+    sds = [tp_state(r) for r in range(2)]
+    with pytest.raises(SpecError, match=r"rank 1 .* place 0"):
+        sim_save(
+            sds, [ParallelSavePlanner(TP2, specs, rank=1 - r) for r in range(2)], [MemoryWriter(MemoryStore())] * 2
+        )
+    store, _ = save(sds, TP2, specs)
+    dests = [tp_state(r, blank=True) for r in range(2)]
+    with pytest.raises(SpecError, match=r"rank 1 .* place 0"):
+        sim_load(dests, [ParallelLoadPlanner(TP2, specs, rank=1 - r) for r in range(2)], [MemoryReader(store)] * 2)
+    one = tp_state(1, blank=True)  # one process planning rank 1's piece alone (offline) stays allowed
+    sim_load([one], [ParallelLoadPlanner(TP2, specs, rank=1)], [MemoryReader(store)])
+    assert torch.equal(one["w"], FULL.chunk(2)[1])

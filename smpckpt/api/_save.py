@@ -60,6 +60,7 @@ from smpckpt.catalog.root import (
     ABANDONED_KEY,
     ABANDONED_NAME,
     NEWEST_NAME,
+    PARTIAL_SUFFIX,
     SEQUENCE_KEY,
     ManifestCache,
     SequenceCounter,
@@ -525,19 +526,25 @@ def _pickled(url: str, storage_options: Any) -> bool:
 
 
 def not_found_hint(root: str, storage_options: Any) -> str:
-    """(error path only) A hint when ``root`` is itself a checkpoint folder, not the root of tags."""
-    try:
-        state = probe_checkpoint(root, storage_options).state
-    except (OSError, CheckpointError):
-        return ""
-    if state not in ("legacy", "committed"):
-        return ""
+    """(a tag-less resume that found nothing) A hint when ``root`` is itself a checkpoint folder, not the root of
+    tags, or ``{root}_partial`` is one (a root and a tag joined): then ``missing_ok`` starts no fresh run."""
     parent, _, name = root.rstrip("/").rpartition("/")
-    tag = name[: -len("_partial")] if name.endswith("_partial") else name
-    return (
-        f"; {root} is itself a checkpoint folder: pass its parent as path and its name as tag "
-        f"(resume_from_checkpoint({parent or '.'!r}, tag={tag!r}))"
-    )
+    tag = name[: -len(PARTIAL_SUFFIX)] if name.endswith(PARTIAL_SUFFIX) else name
+    joined = root.rstrip("/") + PARTIAL_SUFFIX
+    for folder, what in (
+        (root, "is itself a checkpoint folder"),
+        (joined, f"joins a root and a tag ({joined} is one)"),
+    ):
+        try:
+            state = probe_checkpoint(folder, storage_options).state
+        except (OSError, CheckpointError):
+            continue
+        if state in ("legacy", "committed"):
+            return (
+                f"; {root} {what}: pass its parent as path and its name as tag "
+                f"(resume_from_checkpoint({parent or '.'!r}, tag={tag!r}))"
+            )
+    return ""
 
 
 def refuse_damaged_newest(ctx: DistContext, root: str, storage_options: Any) -> None:

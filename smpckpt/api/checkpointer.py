@@ -497,11 +497,11 @@ class Checkpointer:
                 if target is None:
                     if tag is None:
                         refuse_damaged_newest(ctx, path, req.storage_options)
-                    if opts.missing_ok:
+                    hint = ctx.on_coordinator(lambda: not_found_hint(path, req.storage_options)) if tag is None else ""
+                    if opts.missing_ok and not hint:  # a checkpoint given as the root is no fresh start (hunt73c F6)
                         log.info("no committed checkpoint under %s: starting fresh (missing_ok=True)", path)
                         return None
                     what_ = f"checkpoint {tag!r}" if tag is not None else "committed checkpoint"
-                    hint = ctx.on_coordinator(lambda: not_found_hint(path, req.storage_options)) if tag is None else ""
                     # a tiered resume searched the fast tier too (hunt67 note: the error named path alone)
                     fast = f" nor in the fast tier {self._tier.options.local_path}" if self._tier is not None else ""
                     raise CheckpointNotFound(f"no {what_} under {path}{fast}{hint}")

@@ -8,6 +8,7 @@ import fnmatch
 import functools
 import itertools
 import math
+import operator
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Union
@@ -55,12 +56,12 @@ class ShardSpec:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
             raise SpecError(f"ShardSpec.dim must be an int, got {self.dim!r}")
         if self.view is not None:
-            view = tuple(int(v) for v in self.view)
+            view = _extents("view", self.view)
             if sum(1 for v in view if v == -1) > 1 or any(v < -1 for v in view):
                 raise SpecError(f"ShardSpec.view {view} may hold at most one -1 and no other negatives")
             object.__setattr__(self, "view", view)
         if self.sizes is not None:
-            sizes = tuple(int(s) for s in self.sizes)
+            sizes = _extents("sizes", self.sizes)
             if not sizes or any(s < 0 for s in sizes):
                 raise SpecError(f"ShardSpec.sizes must be non-negative extents, got {self.sizes!r}")
             object.__setattr__(self, "sizes", sizes)
@@ -70,6 +71,19 @@ class ShardSpec:
         """Offsets of every rank's piece along ``dim`` plus the total (``sizes`` given): computed once
         per spec, so placing one rank's piece costs O(1) however many ranks the axis has."""
         return (0, *itertools.accumulate(self.sizes or ()))
+
+
+def _extents(name: str, values: Any) -> tuple[int, ...]:
+    """``ShardSpec.view``/``sizes`` as ints: int() truncated 2.5 and read the string "12" as (1, 2) (hunt73c F3)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise SpecError(f"ShardSpec.{name} must be a sequence of ints, got {values!r}")
+    out = tuple(values)
+    try:  # operator.index: ints of any kind (numpy's too), never a float
+        if any(isinstance(v, bool) for v in out):
+            raise TypeError("a bool")
+        return tuple(operator.index(v) for v in out)
+    except TypeError:
+        raise SpecError(f"ShardSpec.{name} must hold ints (not bools or floats), got {values!r}") from None
 
 
 #: A rule's value: one spec, or several (outermost split first) for a tensor split over TP and DP.

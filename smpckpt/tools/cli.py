@@ -342,14 +342,20 @@ _DURATION_UNITS = MappingProxyType({"s": 1, "m": 60, "h": 3600, "d": 86400})
 
 
 def duration(text: str) -> float:
-    """``"90"``, ``"90s"``, ``"30m"``, ``"6h"``, ``"2d"`` -> seconds."""
-    text = text.strip().lower()
+    """``"90s"``, ``"30m"``, ``"6h"``, ``"2d"``, ``"0"`` -> seconds. A unit is needed (hunt73c F4): a bare ``6``
+    (meant as hours, as the help's ``6h``) was 6 seconds, and ``6M`` minutes (or months?)."""
+    text = text.strip()
+    if text[-1:] == "M":
+        raise argparse.ArgumentTypeError(f"{text!r}: minutes or months? give the unit as m (minutes) or in days (d)")
+    text = text.lower()
     unit = _DURATION_UNITS.get(text[-1:], None)
     number = text[:-1] if unit is not None else text
     try:
         value = float(number) * (unit or 1)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 90s, 30m, 6h, 2d)") from None
+    if unit is None and value != 0:
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit: write {text}s, {text}m, {text}h or {text}d")
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"duration must be >= 0, got {text!r}")
     return value

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, T
 from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, _create_read_item_for_tensor
 from tqdm.auto import tqdm
 
+from smpckpt._checks import check_flag
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.model.layout import API_RECORD_V1, FULL_ARTIFACTS, METADATA_KEY, OPTIM_STATE_PREFIX, RESERVED
 from smpckpt.model.translation import Translation
@@ -128,6 +129,8 @@ def consolidate_checkpoint(
     ``out_storage_options`` are given. ``sync_files`` (default on): fsync every local file written and
     its folder before the commit, as a save does."""
     # the arguments first (a translation and a config of different families, a bad size), before any read
+    for name, flag in (("include_optimizer", include_optimizer), ("progress", progress), ("sync_files", sync_files)):
+        check_flag(name, flag)  # a truthy string was taken for True (hunt73c F9)
     opts = FullOptions(
         max_shard_size=max_shard_size, dtype=dtype, translation=translation, hf_config=hf_config, format=format
     )

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from smpckpt._checks import check_flag
 from smpckpt.api._dist import (
     decode_user_content,
     describe_user_content,
@@ -157,6 +158,12 @@ def convert_checkpoint(
     as ``to`` says. Returns what was written."""
     if to not in ("torch_save", "dcp"):
         raise ValueError(f"to must be 'torch_save' or 'dcp', got {to!r}")
+    for name, flag in (
+        ("keep_view_shapes", keep_view_shapes),
+        ("allow_pickle", allow_pickle),
+        ("overwrite", overwrite),
+    ):
+        check_flag(name, flag)  # overwrite="False" replaced an existing OUT file (hunt73c F9)
     src = resolve_checkpoint_url(os.fspath(src), storage_options or {})
     reader = FsspecStorageReader(src, storage_options=storage_options, allow_pickle=allow_pickle)
     metadata = reader.read_metadata()

@@ -94,6 +94,10 @@ class FullOptions:
             object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.dtype is not None and not self.dtype.is_floating_point:  # int8 truncated and wrapped weights (hunt73c)
+            raise ValueError(
+                f"dtype must be a floating-point torch.dtype (it casts floating tensors), got {self.dtype}"
+            )
         if not self.artifacts:
             raise ValueError("artifacts must map at least one key prefix to an artifact name")
         for prefix, name in self.artifacts.items():

@@ -163,6 +163,17 @@ def test_options_object_or_keywords_not_both(tmp_path: Any) -> None:
         resume_from_checkpoint(str(tmp_path), model=dst, strict=False, options=ResumeOptions())
 
 
+def test_full_options_refuse_a_dtype_that_is_not_floating_point() -> None:
+    # hunt73c F8 (older, MEDIUM): ExportOptions refused it, FullOptions (FullArtifactWriter, consolidate_checkpoint)
+    # cast the weights into it: [1.7, -2.6, 300.0] written as int8 [1, -2, 44], as bool all True
+    from smpckpt.storage import FullOptions
+
+    for dtype in (torch.int8, torch.bool, torch.complex64):
+        with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
+            FullOptions(dtype=dtype)
+    assert FullOptions(dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
 def test_full_saves_refuse_integer_dtypes_and_bad_counts(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
         save_checkpoint(str(tmp_path), "f", partial=False, model=_model(), dtype=torch.int8)
@@ -224,6 +235,16 @@ def test_a_checkpoint_folder_given_as_the_root_is_named_in_the_error(tmp_path: A
     save_checkpoint(str(tmp_path), "t", model=_model())
     with pytest.raises(CheckpointNotFound, match=r"is itself a checkpoint folder: pass its parent as path .*tag='t'"):
         resume_from_checkpoint(str(tmp_path / "t_partial"), model=_model())
+    # hunt73c F6 (older, MEDIUM): with missing_ok the same mistake started fresh (None), the checkpoint never read;
+    # so did the root and tag joined without the suffix ("{root}/t")
+    from smpckpt.api.options import ResumeOptions
+
+    for wrong in (tmp_path / "t_partial", tmp_path / "t"):
+        with pytest.raises(CheckpointNotFound, match=r"(itself a checkpoint folder|joins a root and a tag).*tag='t'\)"):
+            resume_from_checkpoint(str(wrong), model=_model(), options=ResumeOptions(missing_ok=True))
+    assert (
+        resume_from_checkpoint(str(tmp_path / "fresh"), model=_model(), options=ResumeOptions(missing_ok=True)) is None
+    )
 
 
 def test_an_io_error_outside_dcp_is_a_checkpoint_error_naming_the_object(tmp_path: Any, monkeypatch: Any) -> None:

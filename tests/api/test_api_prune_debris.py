@@ -233,3 +233,20 @@ def test_retention_never_removes_a_save_that_finished_a_removal_after_its_scan(
     fresh = _model()
     resume_from_checkpoint(str(tmp_path), "s2", model=fresh)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_age_without_its_unit_is_refused_unless_zero() -> None:
+    # hunt73c F4 (older): "6" was 6 seconds (the help's example is "6h"), and "6M" 6 minutes (months?): a prune
+    # meant to take debris older than 6 hours took any folder left unwritten for 6 seconds, a slow save's too
+    import argparse
+
+    from smpckpt.tools.cli import duration
+
+    for text in ("6", "1.5", "6M"):
+        with pytest.raises(argparse.ArgumentTypeError, match="unit"):
+            duration(text)
+    ages = [duration(t) for t in ("0", "90s", "30m", "6h", "6H", "2d")]
+    assert ages == [0.0, 90.0, 1800.0, 6 * HOUR, 6 * HOUR, 48 * HOUR]
+    err = io.StringIO()
+    with pytest.raises(SystemExit):
+        main(["prune", "/nonexistent-h73c", "--uncommitted-older-than", "6"], stderr=err)

@@ -110,8 +110,10 @@ def _judge(
     it asks are ours; fused rules name a family surest, either side: GPT-2's renamed mlp.c_fc is GPT-Neo's own key);
     with no family's, the words of a note for the strict refusal. ``""`` (missing as any key is): no key a rule makes
     (a new head, a stage's cut); the translation taking the names as ours; no key the rank does not ask for; renamed
-    keys simply absent (rev71c3 L1): the rank finds some of its keys, among them that family's names (the model is in
-    them; a stage finding no family's key, ln_f and a head, is refused: rev72k), and nothing
+    keys simply absent (rev71c3 L1): the keys asked (the rank's; in the load planner's global plan every rank's, its
+    ``judge_job``) are found in part, among them that family's names (the model is in them; or none is any family's
+    and every missing key is a renamed one outside layers: a stage of ln_f and a head, which its rank alone cannot
+    tell, so the job's keys are judged again: rev72k), and nothing
     of the artifact lies in the layer (outside layers, the module; a dotless key, itself) of a renamed key, of its
     sources or of a missing key another family's rules take (GPT-Neo's q_proj beside GPT-2's shared mlp.c_fc)."""
     ours = [k for k in missing if k.startswith(prefix)]
@@ -121,7 +123,9 @@ def _judge(
     sizes = ((k[len(prefix) :], md) for k, md in saved.items() if k.startswith(prefix))
     shapes = {k: tuple(md.size) for k, md in sizes if isinstance(md, TensorStorageMetadata)}
     unasked = [k for k in shapes if prefix + k not in asked]
-    if any(translation.rule_of(k, shapes, "ours") for k in shapes) or not unasked:
+    # a key its rules make ends with a rule's literal tail (one taken as a parameter's state: its parameter does)
+    tails = tuple({r.ours.rpartition("}")[2] for r in translation.rules})
+    if not unasked or any(translation.rule_of(k, shapes, "ours") for k in shapes if k.endswith(tails)):
         return ""
     hits = _others(translation, unasked, ("artifact", "ours"))
     score = {n: (sum(f for f, _, _ in h), len(h)) for n, h in hits.items()}
@@ -133,9 +137,13 @@ def _judge(
         k for h in _others(translation, [k[len(prefix) :] for k in ours], ("artifact", "ours")).values() for *_, k in h
     ]
     places = tuple({_layer(n) or (n[: n.rfind(".") + 1] if "." in n else n) for n in made_of})
-    # a stage finding no family's key (ln_f and a head) is not waived: its rank alone cannot tell the job's names
-    # (another rank's layers may be read transposed: rev72k M1; one shared key passed: M2)
-    alike = not found.keys().isdisjoint(named)
+    # a stage finding no family's key (ln_f and a head) whose missing keys are all renamed ones outside layers: its
+    # rank alone cannot tell the job's names (waived per rank alone, another rank's layers were read transposed:
+    # rev72k M1); the load planner's global plan judges again over every rank's keys, where the waiver holds only
+    # if no rank finds a family's key and every missing key is such a one (a RoBERTa lm_head.dense missing beside
+    # GPT-J's shared lm_head.bias is not: rev72k M2)
+    layerless = not found and all(k[len(prefix) :] in made and _layer(k) is None for k in ours)
+    alike = not found.keys().isdisjoint(named) or layerless
     if kept and alike and not any(k.startswith(places) for k in shapes):
         return ""
     head = f"{url}: the artifact's names do not match translation {translation.name!r} (it takes none of its"

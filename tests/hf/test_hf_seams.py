@@ -895,28 +895,15 @@ _LAST_STAGES = {
 }
 
 
-_LAYERLESS = pytest.mark.xfail(
-    strict=True,
-    raises=smpckpt.errors.LayoutMismatch,
-    reason="a layerless last stage finds no family's key: refused as another family (loud; older than fix72i). "
-    "Waiving it per rank let a whole PP job load another rank's layers transposed (rev72k M1) and one shared key "
-    "through (M2): it needs a judgement over every rank's keys (the global plan)",
-)
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        c if c in ("layer_norm_head", "layer_norm_dotless_head") else pytest.param(c, marks=_LAYERLESS)
-        for c in _LAST_STAGES
-    ],
-)
+@pytest.mark.parametrize("case", list(_LAST_STAGES))
 def test_a_real_last_stage_with_a_head_its_own_translation_renames_loads_from_an_artifact_saved_without_it(
     tmp_path: Path, case: str
 ) -> None:
     """rev72g M2, L1, L2: a real last stage (its last layer, ln_f and the head), one with no layer (ln_f and the head;
     or wte too) and one whose renamed head has no dot (head_w <- head_weight: its place is the key itself, not every
-    key) load the rest bit-exact under strict=False, keeping the head's values; strict refuses the head plainly."""
+    key) load the rest bit-exact under strict=False, keeping the head's values; strict refuses the head plainly.
+    The layerless ones were refused as GPT-2's names (a strict xfail): their rank alone cannot tell; the job's keys
+    (here, its one rank's) are judged in the global plan (fix73c)."""
     from smpckpt.model.translation import Translation, rename
 
     url, sd = _headless_gpt2(tmp_path)
@@ -959,6 +946,92 @@ def test_a_last_stage_in_another_familys_names_sharing_one_key_with_the_artifact
         ):
             smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, strict=strict, translate_function=mine)
         assert all(not v.any() for v in dst.state_dict().values())
+
+
+def _neo_layer(sd: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    """Layer ``i`` of ``sd`` (GPT-2's names, a square mlp) in GPT-Neo's Hugging Face names, zeroed: GPT-2's ln_1,
+    ln_2 and mlp keys are GPT-Neo's too (the mlp's Conv1D [in, out] where GPT-Neo's Linear is [out, in])."""
+    out = {k: torch.zeros_like(v) for k, v in sd.items() if re.search(rf"h\.{i}\.(ln|mlp)", k)}
+    attn = f"transformer.h.{i}.attn.attention."
+    out |= {f"{attn}{p}_proj.weight": torch.zeros(32, 32) for p in "qkv"}
+    return out | {f"{attn}out_proj.weight": torch.zeros(32, 32), f"{attn}out_proj.bias": torch.zeros(32)}
+
+
+def _pp_load(url: str, stages: list[dict[str, torch.Tensor]], translation: Any) -> list[dict[str, torch.Tensor]]:
+    """A pipeline job of ``stages`` (one a rank) resumed strict=False from the full artifact ``url`` through
+    ``translation``, simulated in one process (each rank's planner and reader, rank 0's global plan): the state
+    dicts as loaded."""
+    from sim import sim_load
+
+    from smpckpt.model.layout import ParallelLayout
+    from smpckpt.planners import ParallelLoadPlanner
+    from smpckpt.storage import FsspecStorageReader
+
+    states = [{f"model.{k}": v for k, v in stage.items()} for stage in stages]
+    layout = ParallelLayout(pp=len(stages))
+    planners = [ParallelLoadPlanner(layout, rank=r, allow_partial_load=True) for r in range(len(stages))]
+    sim_load(states, planners, [FsspecStorageReader(url, translation=translation, hf_prefix="model.") for _ in states])
+    return states
+
+
+def test_a_pp_job_is_judged_over_every_stages_keys_when_its_last_stage_holds_no_layer(tmp_path: Path) -> None:
+    """rev72k M1 and the middle stage (fix73c): a PP job of a model in GPT-Neo's Hugging Face names (square mlp)
+    with a translation of one's own renaming its head, read from GPT-2's names saved without a head: its first and
+    middle stages miss GPT-Neo's q/k/v/out_proj but hold no key the translation renames (their ranks alone judge
+    nothing), its last stage (ln_f and the head) finds no family's key (its rank alone cannot tell): the global plan
+    judges the job's keys and refuses naming GPT-2 and every stage's missing keys, nothing loaded (a waiver per rank
+    loaded both layers' c_fc transposed; the middle stage alone still would: INDEX). A GPT-2-named job of the same
+    cut (its layers, then ln_f and the head) loads bit-exact, the head kept."""
+    from smpckpt.model.translation import Translation, rename
+
+    url, sd = _headless_gpt2(tmp_path, n_inner=32)
+    mine = Translation("mine", rules=(rename("head.w", "head.weight"),))
+    outer = {k: torch.zeros_like(v) for k, v in sd.items() if re.search(r"wte|wpe", k)}
+    last = {k: torch.zeros_like(v) for k, v in sd.items() if "ln_f" in k} | {"head.w": torch.arange(12.0).reshape(3, 4)}
+    stages = [outer | _neo_layer(sd, 0), _neo_layer(sd, 1), last]
+    with pytest.raises(smpckpt.errors.LayoutMismatch) as e:
+        _pp_load(url, stages, mine)
+    want = r"they are gpt2's Hugging Face names \('transformer\.h\.0\.attn\.c_attn\.weight'\): resume with that "
+    want += r"family's, smpckpt\.hf\.translation_for\('gpt2'\), into a model of that family; 11 of our model keys"
+    assert re.search(want, str(e.value)), str(e.value)
+    assert all(f"model.transformer.h.{i}.attn.attention.q_proj.weight" in str(e.value) for i in (0, 1))
+    assert all(not v.any() for stage in stages for k, v in stage.items() if k != "head.w")
+    cut = [{k: torch.zeros_like(v) for k, v in sd.items() if re.search(r"wte|wpe|h\.[01]\.", k)}, last]
+    got = _pp_load(url, cut, mine)
+    assert [k for s in got for k, v in s.items() if k != "model.head.w" and not torch.equal(v, sd[k[6:]])] == []
+    assert torch.equal(got[1]["model.head.w"], torch.arange(12.0).reshape(3, 4))
+
+
+def test_a_head_stage_missing_more_than_its_renamed_head_is_refused_though_one_key_is_shared(tmp_path: Path) -> None:
+    """rev72k M2: a layerless stage (RoBERTa's lm_head in our names and a head one's own translation renames) read
+    from GPT-J's Hugging Face names finds GPT-J's lm_head.bias (no family's key) and misses lm_head.dense and
+    layer_norm, no renamed key: refused naming GPT-J, strict=False, nothing loaded (waived as layerless it loaded
+    GPT-J's lm_head.bias alone)."""
+    from smpckpt.model.translation import Translation, rename
+
+    hf = tiny_model("gptj", seed=7, dtype=torch.float32).state_dict()
+    sd = {k: v for k, v in hf.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    smpckpt.save_checkpoint(str(tmp_path), "full", partial=False, model=Holder({k: v.clone() for k, v in sd.items()}))
+    roberta = MODULES["roberta"].translate_hf_state_dict_to_smpckpt(
+        tiny_model("roberta", seed=7, dtype=torch.float32).state_dict()
+    )
+    dst = Holder(
+        {
+            **{k: torch.zeros_like(v) for k, v in roberta.items() if k.startswith("lm_head.")},
+            "head.w": torch.zeros(3, 4),
+        }
+    )
+    mine = Translation("mine", rules=(rename("head.w", "head.weight"),))
+    with pytest.raises(
+        smpckpt.errors.LayoutMismatch,
+        match=r"they are gptj's Hugging Face names \('transformer\.h\.0\.attn\.k_proj\.weight'\): resume with that "
+        r"family's, smpckpt\.hf\.translation_for\('gptj'\), into a model of that family; 5 of our model keys are not "
+        r"in it: model\.lm_head\.dense\.weight,",
+    ):
+        smpckpt.resume_from_checkpoint(
+            str(tmp_path / "full"), None, partial=False, model=dst, strict=False, translate_function=mine
+        )
+    assert all(not v.any() for v in dst.state_dict().values())
 
 
 def test_a_folder_with_a_module_in_another_familys_fused_name_beside_the_model_loads_as_it_did(

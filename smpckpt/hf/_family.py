@@ -44,10 +44,20 @@ def _layer(key: str) -> str | None:
     return key[: found.end()] if (found := re.search(r"\.\d+\.", key)) else None
 
 
-def _others(translation: Translation, keys: Iterable[str], sides: Sequence[str], fused: bool = False) -> Hits:
+def _others(
+    translation: Translation,
+    keys: Iterable[str],
+    sides: Sequence[str],
+    fused: bool = False,
+    among: Iterable[str] | None = None,
+    first: bool = False,
+) -> Hits:
     """Family -> ``(fused, side, key)`` of the ``keys`` the rules of smpckpt's other families take (``fused``:
-    their fused rules only, several Hugging Face tensors), by side and key (the templates' tails tested first)."""
-    hits: Hits = {o.name: [] for o in TRANSLATIONS.values() if o.name != translation.name}
+    their fused rules only, several Hugging Face tensors; ``among``: those families only; ``first``: the first
+    key found, all that a "whether" needs), by side and key (the templates' tails tested first)."""
+    wanted = None if among is None else set(among)
+    others = (o for o in TRANSLATIONS.values() if o.name != translation.name)
+    hits: Hits = {o.name: [] for o in others if wanted is None or o.name in wanted}
     for side in sides:
         rules = {o.name: [r for r in o.rules if len(r.artifact) > 1 or not fused] for o in TRANSLATIONS.values()}
         tails = {
@@ -60,6 +70,8 @@ def _others(translation: Translation, keys: Iterable[str], sides: Sequence[str],
                 rule = next((r for t, r in found if k.endswith(t) and r.match(k, side) is not None), None)
                 if rule is not None:
                     hits[name].append((len(rule.artifact) > 1, side, k))
+                    if first:
+                        return {name: hits[name]}
     return {n: h for n, h in hits.items() if h}
 
 
@@ -131,7 +143,6 @@ def _judge(
     score = {n: (sum(f for f, _, _ in h), len(h)) for n, h in hits.items()}
     named = [n for n, s in score.items() if s == max(score.values())]
     kept = [k for k in shapes if prefix + k in asked]
-    found = _others(translation, kept, ("artifact", "ours"))
     made_of = [n for k, r in made.items() for n in (k, *(t.format(**r.match(k, "ours") or {}) for t in r.artifact))]
     made_of += [
         k for h in _others(translation, [k[len(prefix) :] for k in ours], ("artifact", "ours")).values() for *_, k in h
@@ -142,8 +153,12 @@ def _judge(
     # rev72k M1); the load planner's global plan judges again over every rank's keys, where the waiver holds only
     # if no rank finds a family's key and every missing key is such a one (a RoBERTa lm_head.dense missing beside
     # GPT-J's shared lm_head.bias is not: rev72k M2)
-    layerless = not found and all(k[len(prefix) :] in made and _layer(k) is None for k in ours)
-    alike = not found.keys().isdisjoint(named) or layerless
+    # (whether any key found is a named family's, or any family's: the first one tells; a job's found keys are
+    # every rank's, so no list of them all)
+    sides = ("artifact", "ours")
+    alike = bool(named) and bool(_others(translation, kept, sides, among=named, first=True))
+    if not alike and all(k[len(prefix) :] in made and _layer(k) is None for k in ours):
+        alike = not _others(translation, kept, sides, first=True)  # layerless
     if kept and alike and not any(k.startswith(places) for k in shapes):
         return ""
     head = f"{url}: the artifact's names do not match translation {translation.name!r} (it takes none of its"

@@ -478,31 +478,59 @@ def _pp_load(url: str, stages: list[dict[str, torch.Tensor]], translation: Any) 
 
 
 def test_a_pp_job_is_judged_over_every_stages_keys_when_its_last_stage_holds_no_layer(tmp_path: Path) -> None:
-    """rev72k M1 and the middle stage (fix73c): a PP job of a model in GPT-Neo's Hugging Face names (square mlp)
-    with a translation of one's own renaming its head, read from GPT-2's names saved without a head: its first and
-    middle stages miss GPT-Neo's q/k/v/out_proj but hold no key the translation renames (their ranks alone judge
-    nothing), its last stage (ln_f and the head) finds no family's key (its rank alone cannot tell): the global plan
-    judges the job's keys and refuses naming GPT-2 and every stage's missing keys, nothing loaded (a waiver per rank
-    loaded both layers' c_fc transposed; the middle stage alone still would: INDEX). A GPT-2-named job of the same
-    cut (its layers, then ln_f and the head) loads bit-exact, the head kept."""
+    """rev72k M1 (fix73c): a PP job with a translation of one's own renaming its head, read from GPT-2's names saved
+    without a head, whose last stage (ln_f and the head) finds no family's key (its rank alone cannot tell, waived
+    there). Its first stage's layer in names of its own (no family's) misses keys none of which the translation
+    renames or another family's rules take (its rank alone judges nothing): only the global plan, judging the job's
+    keys, refuses, naming GPT-2 and both stages' missing keys, nothing loaded (a waiver per rank loaded ln_f alone).
+    The same job in GPT-Neo's names (square mlp: GPT-2's c_fc would load transposed) is refused too, nothing loaded
+    (by its stages' own ranks since the middle-stage rule below). A GPT-2-named job of the same cut (its layers, then
+    ln_f and the head) loads bit-exact, the head kept."""
     from smpckpt.model.translation import Translation, rename
 
     url, sd = _headless_gpt2(tmp_path, n_inner=32)
     mine = Translation("mine", rules=(rename("head.w", "head.weight"),))
     outer = {k: torch.zeros_like(v) for k, v in sd.items() if re.search(r"wte|wpe", k)}
     last = {k: torch.zeros_like(v) for k, v in sd.items() if "ln_f" in k} | {"head.w": torch.arange(12.0).reshape(3, 4)}
-    stages = [outer | _neo_layer(sd, 0), _neo_layer(sd, 1), last]
+    own = {k.replace("transformer.h.", "blocks."): torch.zeros_like(v) for k, v in sd.items() if ".h.0." in k}
+    want = r"they are gpt2's Hugging Face names \('transformer\.h\.0\.attn\.c_attn\.weight'\): resume with that "
+    want += r"family's, smpckpt\.hf\.translation_for\('gpt2'\), into a model of that family; 13 of our model keys"
+    stages = [outer | own, last]
     with pytest.raises(smpckpt.errors.LayoutMismatch) as e:
         _pp_load(url, stages, mine)
-    want = r"they are gpt2's Hugging Face names \('transformer\.h\.0\.attn\.c_attn\.weight'\): resume with that "
-    want += r"family's, smpckpt\.hf\.translation_for\('gpt2'\), into a model of that family; 11 of our model keys"
-    assert re.search(want, str(e.value)), str(e.value)
-    assert all(f"model.transformer.h.{i}.attn.attention.q_proj.weight" in str(e.value) for i in (0, 1))
+    assert re.search(want, str(e.value)) and "model.blocks.0.mlp.c_fc.weight" in str(e.value), str(e.value)
+    assert "model.head.w" in str(e.value)
+    assert all(not v.any() for stage in stages for k, v in stage.items() if k != "head.w")
+    stages = [outer | _neo_layer(sd, 0), _neo_layer(sd, 1), last]
+    with pytest.raises(smpckpt.errors.LayoutMismatch, match=want.replace("13 of", r"\d+ of")):
+        _pp_load(url, stages, mine)
     assert all(not v.any() for stage in stages for k, v in stage.items() if k != "head.w")
     cut = [{k: torch.zeros_like(v) for k, v in sd.items() if re.search(r"wte|wpe|h\.[01]\.", k)}, last]
     got = _pp_load(url, cut, mine)
     assert [k for s in got for k, v in s.items() if k != "model.head.w" and not torch.equal(v, sd[k[6:]])] == []
     assert torch.equal(got[1]["model.head.w"], torch.arange(12.0).reshape(3, 4))
+
+
+def test_a_middle_stage_in_another_familys_names_missing_no_renamed_key_is_refused(tmp_path: Path) -> None:
+    """fix73c, older and silent: a middle stage (one layer) in GPT-Neo's Hugging Face names (a square mlp) read from
+    GPT-2's names through a translation renaming only a head it does not hold: no missing key is one the translation
+    renames, so nothing was judged and strict=False loaded GPT-2's Conv1D c_fc/c_proj [in, out] into GPT-Neo's Linear
+    [out, in], transposed. Its missing q/k/v/out_proj are GPT-Neo's names, the artifact's c_attn it does not ask for
+    in that layer GPT-2's, and no family's names are both: refused naming GPT-2, nothing loaded."""
+    from smpckpt.model.translation import Translation, rename
+
+    url, sd = _headless_gpt2(tmp_path, n_inner=32)
+    dst = Holder(_neo_layer(sd, 1))
+    mine = Translation("mine", rules=(rename("head.w", "head.weight"),))
+    with pytest.raises(
+        smpckpt.errors.LayoutMismatch,
+        match=r"do not match translation 'mine' \(it takes none of its \d+ model keys\): they are gpt2's Hugging "
+        r"Face names \('transformer\.h\.0\.attn\.c_attn\.weight'\): resume with that family's, smpckpt\.hf\."
+        r"translation_for\('gpt2'\), into a model of that family; 5 of our model keys are not in it: "
+        r"model\.transformer\.h\.1\.attn\.attention\.q_proj\.weight,",
+    ):
+        smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, strict=False, translate_function=mine)
+    assert all(not v.any() for v in dst.state_dict().values())
 
 
 def test_a_head_stage_missing_more_than_its_renamed_head_is_refused_though_one_key_is_shared(tmp_path: Path) -> None:

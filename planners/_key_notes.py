@@ -1,13 +1,14 @@
 """The words of a refused or partial load: what a list of missing or unexpected keys most likely means
 (an LR scheduler's ``initial_lr``, optimizer state saved unflattened, a container saved the other way,
 ``module.`` added by a wrapper), of a save whose ranks of one stage disagree (:func:`stage_differences`), and
-what a ``strict=False`` resume skipped (:func:`warn_skipped`).
-Error paths only: nothing here runs on a load or save that succeeds."""
+what a ``strict=False`` resume skipped (:func:`warn_skipped`). Error paths only, but for the evidence and the job's
+judgement of an artifact read as it is (:func:`as_is_evidence`, :func:`judge_job`: called on no other load)."""
 
 from __future__ import annotations
 
 import bisect
 import logging
+import math
 import re
 import warnings
 from collections.abc import Container, Iterable, Mapping, Sequence, Set
@@ -21,7 +22,9 @@ from smpckpt.model.layout import RESERVED, UNREAD_KEY
 from smpckpt.planners._entries import SHOW
 
 __all__ = ["likely_causes", "nesting_mismatches", "module_note", "show_keys", "stage_differences"]
-__all__ += ["refuse_unread", "unread_note", "warn_skipped"]
+__all__ += ["refuse_unread", "unread_note", "warn_skipped", "as_is_evidence", "judge_job", "reshape_hint"]
+
+_AS_IS = "as_is"  #: a load plan's planner_data: (missing, tied) keys of a rank reading an artifact as it is
 
 
 def _unread(metadata: Any) -> Mapping[str, Any]:
@@ -48,6 +51,45 @@ def unread_note(metadata: Any, missing: Sequence[str] = (), asked: Container[str
     takes none of its names, when no family's takes them either, or ``""`` (raises naming a family's)."""
     judge = _unread(metadata).get("as_is")
     return judge(missing, metadata.state_dict_metadata, asked) if judge is not None else ""
+
+
+def as_is_evidence(metadata: Any, missing: Sequence[str], tied: Iterable[str]) -> dict[str, Any]:
+    """(each rank) What the job's family judgement (:func:`judge_job`) needs of this rank beyond the keys its
+    reads name: its ``missing`` keys and those loaded through a tied key's (``tied``); ``{}`` (nothing sent)
+    unless the reader left a judge (an untranslated artifact read as it is through a translation)."""
+    return {_AS_IS: (list(missing), list(tied))} if _unread(metadata).get("as_is") is not None else {}
+
+
+def judge_job(metadata: Any, plans: Sequence[Any]) -> None:
+    """(coordinator, in the global plan: the local plans every load gathers anyway, no collective of its own)
+    The reader's wrong-family judge over every rank's keys, when some rank misses one: a stage alone (``ln_f``
+    and a head, waived by its own judgement) cannot tell the job's names, which another stage's layers may
+    show to be another family's (rev72k M1: read transposed under ``strict=False``); raises naming the family."""
+    judge = _unread(metadata).get("as_is")
+    if judge is None:
+        return
+    sent = [(p.planner_data or {}).get(_AS_IS) or ((), ()) for p in plans]
+    missing = list(dict.fromkeys(k for gone, _ in sent for k in gone))
+    if not missing:
+        return
+    asked = {item.storage_index.fqn for p in plans for item in p.items}
+    for plan, (gone, tied) in zip(plans, sent):
+        asked.update((plan.planner_data or {}).get("empty", ()), gone, tied)
+    judge(missing, metadata.state_dict_metadata, asked)
+
+
+def reshape_hint(shape: Any, md: Any, whole: bool) -> str:
+    """(error path) What to do when only a ShardSpec view separates the shapes of a partial checkpoint's tensor
+    (``shape``: the destination's global shape; ``md``: the saved tensor's; ``whole``: the reader's tensors are
+    whole and reshapable, a full artifact's)."""
+    if whole or math.prod(md.size) != math.prod(shape or ()):
+        return ""
+    return (
+        "; a partial checkpoint is read only in the shape it was saved in (same elements, other view), but "
+        "for a tensor saved before its spec's view, which an unsharded (TP=1) resume reads into it (then "
+        "save again): else consolidate it first (`smpckpt consolidate` / smpckpt.consolidate_checkpoint): "
+        "a full artifact is read reshaped into a ShardSpec view"
+    )
 
 
 def likely_causes(keys: Sequence[str], saved: Iterable[str], asked: Set[str] = frozenset()) -> str:

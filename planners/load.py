@@ -50,6 +50,7 @@ from smpckpt.model.layout import (
     checkpoint_ties,
 )
 from smpckpt.model.specs import SpecLike, SpecRules
+from smpckpt.planners import _key_notes as notes  # the judgement of an artifact read as it is, hints
 from smpckpt.planners._cache import check_plan_ranks, compact
 from smpckpt.planners._entries import (
     Entry,
@@ -171,6 +172,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         self._numbers: dict[str, type] = {}  # keys read as 0-d tensors into a number's place: its type
         self._decoded: dict[bytes, Any] = {}  # this load's small objects by their bytes (decode_object)
         _refuse_raw_without_our_reader(metadata)
+        self._as_is = isinstance(metadata.planner_data, dict) and UNREAD_KEY in metadata.planner_data  # judged keys
         record = LayoutRecord.from_metadata(metadata)
         #: checkpoint keys stored once under another key (read from that key's bytes)
         self.saved_tied = checkpoint_ties(metadata)
@@ -202,10 +204,12 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         shared.plan(self.entries, through.keys() | ties.compare.keys())
         # state the reader left out of a translated artifact, or another family's names read as they are:
         # refused before any key's own checks (a coincident key's shape), never skipped as optional
-        if isinstance(self.metadata.planner_data, dict) and UNREAD_KEY in self.metadata.planner_data:
+        evidence: dict[str, Any] = {}  # an artifact read as it is: this rank's keys for the job's judgement
+        if self._as_is:
             absent = [k for k in self.entries if k not in through and sources.get(k, k) not in md_all]
             if absent:
                 refuse_unread(absent, self.metadata, self.entries)
+            evidence = notes.as_is_evidence(self.metadata, absent, through)
         for entry in list(self.entries.values()):
             if entry.key in through:  # tied in the destination: loaded through another key of its tensor
                 continue
@@ -285,7 +289,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if tied:
             logger.info("rank %d: tied keys loaded through another key: %s", self.rank, _show(sorted(tied)))
         # gathered on the coordinator; "empty" and "covered" keys count as asked for in its unexpected-key check
-        return compact(LoadPlan(items, planner_data={"empty": empty + tied_covered, "rank": self.rank}))
+        return compact(LoadPlan(items, planner_data={"empty": empty + tied_covered, "rank": self.rank, **evidence}))
 
     def _stateless_when_saved(
         self, missing: list[str], sources: Mapping[str, str], md_all: Mapping[str, Any]
@@ -340,17 +344,6 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         """Whether the reader says its tensors are whole and reshapable (full artifacts, HF folders)."""
         return isinstance(self.metadata.planner_data, dict) and bool(self.metadata.planner_data.get(WHOLE_TENSORS))
 
-    def _reshape_hint(self, entry: Entry, md: TensorStorageMetadata) -> str:
-        """What to do when only a ShardSpec view separates the shapes of a partial checkpoint's tensor."""
-        if self._whole_tensors() or math.prod(md.size) != math.prod(entry.global_shape or ()):
-            return ""
-        return (
-            "; a partial checkpoint is read only in the shape it was saved in (same elements, other view), but "
-            "for a tensor saved before its spec's view, which an unsharded (TP=1) resume reads into it (then "
-            "save again): else consolidate it first (`smpckpt consolidate` / smpckpt.consolidate_checkpoint): "
-            "a full artifact is read reshaped into a ShardSpec view"
-        )
-
     def _viewed_as_saved(self, entry: Entry, md: TensorStorageMetadata) -> Entry | None:
         """A destination without specs in the shape a tensor had before the ShardSpec view it was saved
         under (a plain ``[3h, d]`` model loading a fused QKV a TP layout saved as ``[3, h, d]``) is read
@@ -399,7 +392,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             raise LayoutMismatch(
                 f"{entry.key}: the checkpoint holds global shape {tuple(md.size)} but rank {self.rank}'s layout "
                 f"implies {tuple(entry.global_shape or ())} (local piece {local}, specs {list(entry.specs) or 'none'})"
-                + self._reshape_hint(entry, md)
+                + notes.reshape_hint(entry.global_shape, md, self._whole_tensors())
             )
         saved = md.properties.dtype
         fits = quantized_record_fits  # an old checkpoint's quantized integers: read as they are, or refused
@@ -418,6 +411,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         asks for its own keys only, so no single rank can make it)."""
         check_plan_ranks(global_plan, self.layout, self.rules, "dcp.load")
         self._refuse_layers_two_stages_load(global_plan)
+        if self._as_is:  # another family's names, which a stage alone may not tell (rev72k): the job's keys
+            notes.judge_job(self.metadata, global_plan)
         asked: set[str] = set()
         for plan in global_plan:
             asked.update(item.storage_index.fqn for item in plan.items)

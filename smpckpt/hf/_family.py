@@ -44,10 +44,20 @@ def _layer(key: str) -> str | None:
     return key[: found.end()] if (found := re.search(r"\.\d+\.", key)) else None
 
 
-def _others(translation: Translation, keys: Iterable[str], sides: Sequence[str], fused: bool = False) -> Hits:
+def _others(
+    translation: Translation,
+    keys: Iterable[str],
+    sides: Sequence[str],
+    fused: bool = False,
+    among: Iterable[str] | None = None,
+    first: bool = False,
+) -> Hits:
     """Family -> ``(fused, side, key)`` of the ``keys`` the rules of smpckpt's other families take (``fused``:
-    their fused rules only, several Hugging Face tensors), by side and key (the templates' tails tested first)."""
-    hits: Hits = {o.name: [] for o in TRANSLATIONS.values() if o.name != translation.name}
+    their fused rules only, several Hugging Face tensors; ``among``: those families only; ``first``: the first
+    key found, all that a "whether" needs), by side and key (the templates' tails tested first)."""
+    wanted = None if among is None else set(among)
+    others = (o for o in TRANSLATIONS.values() if o.name != translation.name)
+    hits: Hits = {o.name: [] for o in others if wanted is None or o.name in wanted}
     for side in sides:
         rules = {o.name: [r for r in o.rules if len(r.artifact) > 1 or not fused] for o in TRANSLATIONS.values()}
         tails = {
@@ -60,6 +70,8 @@ def _others(translation: Translation, keys: Iterable[str], sides: Sequence[str],
                 rule = next((r for t, r in found if k.endswith(t) and r.match(k, side) is not None), None)
                 if rule is not None:
                     hits[name].append((len(rule.artifact) > 1, side, k))
+                    if first:
+                        return {name: hits[name]}
     return {n: h for n, h in hits.items() if h}
 
 
@@ -109,33 +121,51 @@ def _judge(
     on our side (one it renames) and other families' rules take the artifact's keys this rank does not ask for (those
     it asks are ours; fused rules name a family surest, either side: GPT-2's renamed mlp.c_fc is GPT-Neo's own key);
     with no family's, the words of a note for the strict refusal. ``""`` (missing as any key is): no key a rule makes
-    (a new head, a stage's cut); the translation taking the names as ours; no key the rank does not ask for; renamed
-    keys simply absent (rev71c3 L1): the rank finds some of its keys, among them that family's names (the model is in
-    them; a stage finding no family's key, ln_f and a head, is refused: rev72k), and nothing
+    nor any other family's (a new head, a stage's cut); the translation taking the names as ours; no key the rank does not ask for; renamed
+    keys simply absent (rev71c3 L1): the keys asked (the rank's; in the load planner's global plan every rank's, its
+    ``judge_job``) are found in part, among them that family's names (the model is in them; or none is any family's
+    and every missing key is a renamed one outside layers: a stage of ln_f and a head, which its rank alone cannot
+    tell, so the job's keys are judged again: rev72k), and nothing
     of the artifact lies in the layer (outside layers, the module; a dotless key, itself) of a renamed key, of its
-    sources or of a missing key another family's rules take (GPT-Neo's q_proj beside GPT-2's shared mlp.c_fc)."""
+    sources or of a missing key another family's rules take (GPT-Neo's q_proj beside GPT-2's shared mlp.c_fc). With
+    no key a rule makes, the same judgement when the missing keys are other families' names and none of those
+    families is the one named (a middle stage in GPT-Neo's names reading GPT-2's: fix73c)."""
     ours = [k for k in missing if k.startswith(prefix)]
     made = {k: r for k in (k[len(prefix) :] for k in ours) if (r := translation.rule_of(k, {k: ()}, "ours"))}
-    if not made:
+    sides = ("artifact", "ours")
+    # no key renamed: judged only when missing keys are other families' names (a GPT-Neo-named stage's q_proj), and
+    # then refused only where no such family's names are the artifact's too (below: GPT-2's c_attn beside it)
+    theirs = {} if made else _others(translation, [k[len(prefix) :] for k in ours], sides)
+    if not made and not theirs:
         return ""
     sizes = ((k[len(prefix) :], md) for k, md in saved.items() if k.startswith(prefix))
     shapes = {k: tuple(md.size) for k, md in sizes if isinstance(md, TensorStorageMetadata)}
     unasked = [k for k in shapes if prefix + k not in asked]
-    if any(translation.rule_of(k, shapes, "ours") for k in shapes) or not unasked:
+    # a key its rules make ends with a rule's literal tail (one taken as a parameter's state: its parameter does)
+    tails = tuple({r.ours.rpartition("}")[2] for r in translation.rules})
+    if not unasked or any(translation.rule_of(k, shapes, "ours") for k in shapes if k.endswith(tails)):
         return ""
     hits = _others(translation, unasked, ("artifact", "ours"))
     score = {n: (sum(f for f, _, _ in h), len(h)) for n, h in hits.items()}
     named = [n for n, s in score.items() if s == max(score.values())]
+    if not made and (not named or not theirs.keys().isdisjoint(named)):  # fix73c: the names may be one family's
+        return ""
     kept = [k for k in shapes if prefix + k in asked]
-    found = _others(translation, kept, ("artifact", "ours"))
     made_of = [n for k, r in made.items() for n in (k, *(t.format(**r.match(k, "ours") or {}) for t in r.artifact))]
     made_of += [
-        k for h in _others(translation, [k[len(prefix) :] for k in ours], ("artifact", "ours")).values() for *_, k in h
+        k for h in (theirs or _others(translation, [k[len(prefix) :] for k in ours], sides)).values() for *_, k in h
     ]
     places = tuple({_layer(n) or (n[: n.rfind(".") + 1] if "." in n else n) for n in made_of})
-    # a stage finding no family's key (ln_f and a head) is not waived: its rank alone cannot tell the job's names
-    # (another rank's layers may be read transposed: rev72k M1; one shared key passed: M2)
-    alike = not found.keys().isdisjoint(named)
+    # a stage finding no family's key (ln_f and a head) whose missing keys are all renamed ones outside layers: its
+    # rank alone cannot tell the job's names (waived per rank alone, another rank's layers were read transposed:
+    # rev72k M1); the load planner's global plan judges again over every rank's keys, where the waiver holds only
+    # if no rank finds a family's key and every missing key is such a one (a RoBERTa lm_head.dense missing beside
+    # GPT-J's shared lm_head.bias is not: rev72k M2)
+    # (whether any key found is a named family's, or any family's: the first one tells; a job's found keys are
+    # every rank's, so no list of them all)
+    alike = bool(named) and bool(_others(translation, kept, sides, among=named, first=True))
+    if not alike and all(k[len(prefix) :] in made and _layer(k) is None for k in ours):
+        alike = not _others(translation, kept, sides, first=True)  # layerless
     if kept and alike and not any(k.startswith(places) for k in shapes):
         return ""
     head = f"{url}: the artifact's names do not match translation {translation.name!r} (it takes none of its"

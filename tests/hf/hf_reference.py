@@ -57,6 +57,15 @@ def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
+def differing_keys(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Keys missing from either side or whose tensors differ (bit-exact, dtype included)."""
+    return sorted(
+        k
+        for k in set(a) | set(b)
+        if k not in a or k not in b or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])
+    )
+
+
 # -- regions and pieces --------------------------------------------------------------------------------
 
 

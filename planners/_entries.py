@@ -26,6 +26,7 @@ from smpckpt._checks import check_int, check_process_group
 from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_plain, quantized_record_fits
 from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
+from smpckpt.model.specs import nested_state as _nested
 from smpckpt.model.specs import state_params as _state_params
 from smpckpt.storage.format._safe_pickle import ViewFile, decode_object, encode_object
 
@@ -433,9 +434,9 @@ class LayoutScope:
         }
         prefixes = tuple(tops)
         named = mapper.to_global if self.name_map is not None else None
-        # under a name map, each optimizer-state key's own parameter, judged by the names before it (rev72q)
-        self.state_params = _state_params(flat.keys(), prefixes) if global_keys is not None and named else {}
-        params = {k: global_keys[p] for k, (_, p) in self.state_params.items()} if global_keys is not None else {}
+        pairs = _state_params(flat.keys(), prefixes, not named)  # each state key's parameter, names before a map
+        self.state_params = pairs if global_keys is not None and named else {}  # no map: params of nested only, rev73a
+        params = {k: (global_keys or {}).get(p, p) for k, (f, p) in pairs.items() if named or _nested(k, f)}
         entry = _EntryMaker(self.rules, prefixes, by_global, coords, layout, stored, named, params).entry
         rank_local, held, self.held_keys, self.held_split = self._rank_local, self._held, [], []
         for local_key, value in flat.items():

@@ -300,7 +300,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             return set()
         asked, local = {e.local_key: sources.get(k, k) for k, e in self.entries.items()}, self.entries
         owners = {k: fqn for k, (fqn, _) in self.state_params.items()}  # the spec's pairing (under a name_map)
-        none = set(RESERVED.stateless_when_saved([local[k].local_key for k in missing], asked, sorted(md_all), owners))
+        keys = [local[k].local_key for k in missing]
+        none = set(RESERVED.stateless_when_saved(keys, asked, sorted(md_all), owners, self.name_map))
         return {k for k in missing if local[k].local_key in none}
 
     def _reads_into(self, entry: Entry) -> Entry:

@@ -479,3 +479,30 @@ def test_shard_spec_extents_that_are_not_ints_are_refused_by_name(kw):
         ShardSpec(0, **kw)
     assert ShardSpec(0, sizes=[3, np.int64(1)]).sizes == (3, 1)  # numpy's ints are ints
     assert ShardSpec(1, view=torch.Size([3, -1])).view == (3, -1)
+
+
+@pytest.mark.parametrize("name_map", [None, lambda k: k], ids=["no-map", "identity-map"])
+def test_nested_optimizer_state_of_a_tp_sharded_parameter_follows_its_parameter_with_or_without_a_map(
+    name_map: Any,
+) -> None:
+    """rev73a 3: nested state (``{"nest": {"a": t}}``) of a TP-sharded parameter was paired with its parameter by its
+    front names (``w.nest``, no parameter) without a map: refused as a replica (ReplicaMismatch), while an identity map
+    (pairing by the destination's names, specs.state_params) saved it sharded. Both pair it with ``w`` now: saved
+    whole (2, 6) at TP=2, loaded bit-exact at TP=1."""
+    rules = spec_rules({"w": ShardSpec(1)})
+    w = torch.arange(12.0).reshape(2, 6)
+
+    def sd(piece: torch.Tensor) -> dict[str, Any]:
+        return {
+            "model": {"w": piece.clone()},
+            "optim": {"state": {"w": {"exp_avg": 10 * piece, "nest": {"a": 100 * piece}}}},
+        }
+
+    store = MemoryStore()
+    planners = [ParallelSavePlanner(ParallelLayout(tp=2), rules, rank=r, name_map=name_map) for r in range(2)]
+    md = sim_save([sd(w[:, :3]), sd(w[:, 3:])], planners, [MemoryWriter(store)] * 2)
+    assert tuple(md.state_dict_metadata["optim.state.w.nest.a"].size) == (2, 6)
+    dest = [sd(torch.zeros(2, 6))]
+    sim_load(dest, [ParallelLoadPlanner(ParallelLayout(), rules, rank=0, name_map=name_map)], [MemoryReader(store)])
+    assert torch.equal(dest[0]["optim"]["state"]["w"]["nest"]["a"], 100 * w)
+    assert torch.equal(dest[0]["optim"]["state"]["w"]["exp_avg"], 10 * w) and torch.equal(dest[0]["model"]["w"], w)

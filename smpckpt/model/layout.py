@@ -29,9 +29,7 @@ from smpckpt.errors import CheckpointCorrupt, SpecError
 __all__ = ["ParallelLayout", "RankCoords", "AXES", "KeyMapper", "NameMap", "ReservedKeys", "RESERVED"]
 __all__ += ["OPTIM_STATE_PREFIX", "FULL_ARTIFACTS", "API_RECORD", "API_RECORD_V1", "FULL_API_RECORD", "LayoutRecord"]
 __all__ += ["METADATA_KEY", "MANIFEST_KEY", "RECORD_VERSION", "TIED_KEY", "checkpoint_ties", "MERGED_KEY"]
-__all__ += ["UNREAD_KEY"]
-__all__ += ["wrapped", "wrap_name_map"]
-__all__ += ["checkpoint_original_shapes"]
+__all__ += ["UNREAD_KEY", "wrapped", "wrap_name_map", "checkpoint_original_shapes"]
 
 
 #: Parallel axes a :class:`~smpckpt.ShardSpec` can name, in rank order (fastest first).
@@ -195,7 +193,12 @@ class ReservedKeys:
         return next((f for f in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if f in params), None)
 
     def stateless_when_saved(
-        self, missing: Sequence[str], keys: Mapping[str, str], saved: Sequence[str], owners: Mapping[str, str] = {}
+        self,
+        missing: Sequence[str],
+        keys: Mapping[str, str],
+        saved: Sequence[str],
+        owners: Mapping[str, str] = {},
+        name_map: Callable[[str], str] | None = None,
     ) -> list[str]:
         """The ``missing`` keys that are optimizer state of a parameter the checkpoint holds param groups
         but no state at all for: it had none when saved (no gradient yet: an unused branch, an expert
@@ -205,7 +208,7 @@ class ReservedKeys:
         in front among its param groups' keys; ``keys``: each destination key -> the checkpoint key read for it
         (a map may move either prefix and add a suffix, fix72j, fix72m); ``saved``: the checkpoint's keys, sorted.
         The parameter's saved state is looked for under the key read up to where the key's ``.<name>`` is in it
-        (:func:`_read_prefix`); a key read without it is never judged stateless (refused, never skipped)."""
+        (:func:`_read_prefix`; else :func:`_probed_prefix`, rev73a); neither: never judged stateless (refused)."""
         state, groups = f"{self.optim}.state.", f"{self.optim}.param_groups."
 
         def has(key: str) -> bool:
@@ -231,7 +234,9 @@ class ReservedKeys:
             fqn = owners.get(key) or self.state_owner(key[len(state) :], held)
             if fqn is not None and fqn in held:
                 tail = key[len(state) + len(fqn) :]  # ".<name>[.<inner>]"
-                prefix = _read_prefix(keys.get(key, key), tail)
+                prefix = _read_prefix(read := keys.get(key, key), tail)
+                if prefix is None and name_map is not None:
+                    prefix = _probed_prefix(name_map, key[: len(state) + len(fqn)], read)
                 if prefix is not None:
                     i = bisect.bisect_left(saved, prefix)
                     if i == len(saved) or not saved[i].startswith(prefix):
@@ -265,12 +270,9 @@ class ReservedKeys:
 
 
 def _read_prefix(read: str, tail: str) -> str | None:
-    """The part of ``read`` (a checkpoint key) in front of ``tail`` (a state key's ``.<name>``), and a dot: where a
-    map put that parameter's state. Its end, else its first place followed by no name character (a map adding a
-    suffix: ``.v1``, ``@v1``); the first, so a name also found in the map's own part gives a shorter prefix (more
-    saved keys under it: refused, never skipped). ``None``: the map left no ``tail`` in it."""
-    if read.endswith(tail):
-        return read[: len(read) - len(tail)] + "."
+    """The part of ``read`` (a checkpoint key) in front of ``tail`` (a state key's ``.<name>``), and a dot: where a map
+    put that parameter's state. Its first place followed by no name character (its end, or a suffix: ``.v1``, ``@v1``):
+    a name also in the map's own part gives a shorter prefix (refused, never skipped; state ``v1``, rev73a)."""
     i = read.find(tail)
     while i >= 0:
         after = read[i + len(tail) : i + len(tail) + 1]
@@ -278,6 +280,16 @@ def _read_prefix(read: str, tail: str) -> str | None:
             return read[:i] + "."
         i = read.find(tail, i + 1)
     return None
+
+
+def _probed_prefix(name_map: Callable[[str], str], at: str, read: str) -> str | None:
+    """Where a map renaming state names (``.exp_avg`` -> ``.m``) puts the state of the parameter at ``at``: a probe
+    ``<at>.\\x00`` mapped, up to that (as ``_saved_state_keys``), if ``read`` is under it too; else ``None``: refused."""
+    try:
+        probe = name_map(at + ".\x00")
+    except LookupError:  # a strict map (a dict's)
+        return None
+    return pre if (pre := probe[: probe.find(".\x00") + 1]) and read.startswith(pre) else None
 
 
 def _dtype(md: Any) -> Any:

@@ -19,7 +19,7 @@ from smpckpt.errors import SpecError
 from smpckpt.model.layout import OPTIM_STATE_PREFIX, RESERVED, RankCoords
 
 __all__ = ["ShardSpec", "SpecRules", "SpecLike", "ShardGeometry", "shard_geometry", "OPTIMIZER_STATE_PREFIXES"]
-__all__ += ["spec_rules", "state_params"]
+__all__ += ["spec_rules", "state_params", "nested_state"]
 
 #: Key prefixes under which torch's FQN-keyed optimizer state lives (``get_state_dict`` with
 #: ``flatten_optimizer_state_dict=True`` gives ``optim.state.<param>.<name>``). A key under one of
@@ -264,17 +264,22 @@ def _shared_rules(items: tuple[tuple[str, SpecLike], ...], also_under: tuple[str
     return SpecRules(dict(items), also_under=also_under)
 
 
-def state_params(local_keys: Collection[str], tops: Sequence[str]) -> dict[str, tuple[str, str]]:
+def state_params(
+    local_keys: Collection[str], tops: Sequence[str], nested_only: bool = False
+) -> dict[str, tuple[str, str]]:
     """Each optimizer-state key of ``local_keys`` (a state dict's own names, before any name map) -> (its parameter's
     FQN, that parameter's key in ``local_keys``: ``<fqn>`` or ``<top>.<fqn>``, ``tops`` tried in order). The state's
     parameter is the longest FQN in front of its last name (``layer.1`` and ``layer.1.x`` may both be parameters)
     that is a key here; a state key whose parameter is not here is left out. Judged once on the destination's
     names: through a map the keys read may name another parameter, or add dotted parts (``k + ".v1"``) a
-    hyper-parameter's name would pass for a parameter's under (rev72p, rev72q)."""
+    hyper-parameter's name would pass for a parameter's under (rev72p, rev72q). ``nested_only``: (without a map) the
+    keys whose parameter is not the FQN in front of their last name alone, :func:`nested_state`'s, found cheaply."""
     out: dict[str, tuple[str, str]] = {}
     for key in local_keys:
-        prefix = next((p for p in OPTIMIZER_STATE_PREFIXES if key.startswith(p)), None)
-        if prefix is None:
+        if not key.startswith(OPTIMIZER_STATE_PREFIXES):
+            continue
+        prefix = next(p for p in OPTIMIZER_STATE_PREFIXES if key.startswith(p))
+        if nested_only and _first_is_param(key[len(prefix) :].rpartition(".")[0], local_keys, tops):
             continue
         parts = key[len(prefix) :].split(".")
         for i in range(len(parts) - 1, 0, -1):
@@ -285,6 +290,21 @@ def state_params(local_keys: Collection[str], tops: Sequence[str]) -> dict[str, 
                 out[key] = (fqn, at)
                 break
     return out
+
+
+def _first_is_param(head: str, local_keys: Collection[str], tops: Sequence[str]) -> bool:
+    """Whether ``head`` (a state key's names in front of its last) is a parameter's key here, as :func:`state_params`'s
+    first candidate: without a map such a key keeps its pairing by rules (a lookup or two, where the loop costs more)."""
+    candidates = (head, *(f"{t}.{head}" for t in tops))
+    return any(c in local_keys and not c.startswith(OPTIMIZER_STATE_PREFIXES) for c in candidates)
+
+
+def nested_state(key: str, fqn: str) -> bool:
+    """Whether optimizer-state ``key`` of the parameter ``fqn`` (:func:`state_params`) is nested (``<fqn>.nest.a``).
+    Without a map such a key is paired with its parameter this way only: by its front names (``w.nest``), which name
+    no parameter, a TP-sharded parameter's nested state was refused as a replica while an identity map saved it
+    (rev73a 3); other keys keep the pairing by their front names (:meth:`SpecRules.match`), as before."""
+    return key.rpartition(".")[0][-len(fqn) - 1 :] != "." + fqn
 
 
 def _optimizer_param(key: str) -> str | None:

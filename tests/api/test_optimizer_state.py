@@ -1400,6 +1400,8 @@ _STATELESS_MAPS = {  # suffix: keeps optim., not the ".<name>" tail (fix72m); th
     "suffix": lambda k: k + "@v1",
     "dotted-suffix": lambda k: k + ".v1" if k.startswith("optim.") else k,
     "moved-and-suffixed": lambda k: "opt." + k[6:] + ".v1" if k.startswith("optim.") else k,
+    # renames the state's own names (rev73a 1): a key read without the destination's ".<name>" in it
+    "rename-state": lambda k: k.replace(".exp_avg_sq", ".v").replace(".exp_avg", ".m"),
 }
 
 
@@ -1436,14 +1438,15 @@ def test_a_parameter_saved_without_optimizer_state_resumes_without_it_through_a_
         resume_from_checkpoint(str(tmp_path), "a", model=m3, optimizer=o3, options=sharding)
 
 
-@pytest.mark.parametrize("name_map", [_STATELESS_MAPS["dotted-suffix"], _STATELESS_MAPS["moved-and-suffixed"]])
-def test_state_named_like_a_hyper_parameter_is_not_taken_for_a_stateless_parameters(name_map: Any) -> None:
+@pytest.mark.parametrize("name", ["dotted-suffix", "moved-and-suffixed", "rename-state"])
+def test_state_named_like_a_hyper_parameter_is_not_taken_for_a_stateless_parameters(name: str) -> None:
     """rev72p H: under a map appending a dotted suffix (``k + ".v1"``), the checkpoint's param group keys
     ``optim.param_groups.w.extra.v1`` read literally named a parameter ``w.extra``: the destination's state
     ``optim.state.w.extra``, absent from the checkpoint while ``w`` held state, was judged state of that
     parameter, stateless when saved, and skipped under strict (silently). Which parameter a state key is of is
     judged by the destination's names now: ``w``, which held state: refused by name. A parameter that held none
-    is still told apart (below)."""
+    is still told apart (below), also under a map renaming the state (rev73a 1)."""
+    name_map = _STATELESS_MAPS[name]
     saved_w, saved_v = torch.arange(4.0), torch.arange(4.0) + 10
 
     def state(blank: bool, extra: bool) -> dict[str, Any]:
@@ -1469,3 +1472,49 @@ def test_state_named_like_a_hyper_parameter_is_not_taken_for_a_stateless_paramet
     assert loader.report is not None and loader.report.stateless_saved == (name_map("optim.state.v.exp_avg"),)
     assert torch.equal(dest[0]["model"]["w"], saved_w) and torch.equal(dest[0]["model"]["v"], saved_v)
     assert torch.equal(dest[0]["optim"]["state"]["w"]["exp_avg"], saved_w * 2)
+
+
+def test_a_state_named_like_a_dotted_suffixs_last_part_is_refused_not_skipped() -> None:
+    """rev73a 2: under ``k + ".v1"`` the destination's new state ``v1`` (absent from the checkpoint, while its
+    parameter held ``exp_avg``) reads ``optim.state.w.v1.v1``: the prefix was taken from the key's end
+    (``optim.state.w.v1.``), under which nothing is saved, so it was judged stateless when saved and skipped under
+    strict, keeping its live value. The first place the name is followed by no name character is taken now: refused."""
+
+    def m(k: str) -> str:
+        return k + ".v1" if k.startswith("optim.") else k
+
+    def state(blank: bool, extra: bool) -> dict[str, Any]:
+        w = torch.zeros(4) if blank else torch.arange(4.0)
+        moments = {"exp_avg": 2 * w, **({"v1": torch.full((4,), 7.0)} if extra else {})}
+        return {"model": {"w": w}, "optim": {"state": {"w": moments}, "param_groups": {"w": {"lr": 0.1}}}}
+
+    store = MemoryStore()
+    sim_save([state(False, False)], [ParallelSavePlanner(ParallelLayout(), name_map=m)], [MemoryWriter(store)])
+    with pytest.raises(LayoutMismatch, match=r"1 keys are not in the checkpoint: optim\.state\.w\.v1\.v1 "):
+        sim_load([state(True, True)], [ParallelLoadPlanner(ParallelLayout(), name_map=m)], [MemoryReader(store)])
+    dest = [state(True, False)]
+    sim_load(dest, [ParallelLoadPlanner(ParallelLayout(), name_map=m)], [MemoryReader(store)])
+    assert torch.equal(dest[0]["optim"]["state"]["w"]["exp_avg"], 2 * torch.arange(4.0))
+
+
+def test_a_map_moving_state_out_of_its_parameters_prefix_is_refused_not_judged_stateless() -> None:
+    """rev73a 1's fallback (a probe of where the map puts a parameter's state) is taken only where the key read is
+    under the probe's place: ``.exp_avg`` -> ``_exp_avg`` puts ``w``'s state beside ``optim.state.w.``, not under it, so
+    nothing saved under it says nothing. The destination's new ``exp_avg_sq`` of ``w`` (which held state) is refused,
+    never skipped as stateless when saved."""
+
+    def m(k: str) -> str:
+        return k.replace(".exp_avg", "_exp_avg")
+
+    def state(blank: bool, extra: bool) -> dict[str, Any]:
+        w = torch.zeros(4) if blank else torch.arange(4.0)
+        moments = {"exp_avg": 2 * w, **({"exp_avg_sq": torch.full((4,), 7.0)} if extra else {})}
+        return {"model": {"w": w}, "optim": {"state": {"w": moments}, "param_groups": {"w": {"lr": 0.1}}}}
+
+    store = MemoryStore()
+    sim_save([state(False, False)], [ParallelSavePlanner(ParallelLayout(), name_map=m)], [MemoryWriter(store)])
+    with pytest.raises(LayoutMismatch, match=r"1 keys are not in the checkpoint: optim\.state\.w_exp_avg_sq "):
+        sim_load([state(True, True)], [ParallelLoadPlanner(ParallelLayout(), name_map=m)], [MemoryReader(store)])
+    dest = [state(True, False)]
+    sim_load(dest, [ParallelLoadPlanner(ParallelLayout(), name_map=m)], [MemoryReader(store)])
+    assert torch.equal(dest[0]["optim"]["state"]["w"]["exp_avg"], 2 * torch.arange(4.0))

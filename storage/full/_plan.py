@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from smpckpt.errors import CheckpointError, SpecError
 from smpckpt.hf import check_config_tensors, check_translation
 from smpckpt.model.translation import Expr, Leaf, Translation, pieces
-from smpckpt.storage.format._reading import Box, intersect
+from smpckpt.storage.format._reading import Box
 from smpckpt.storage.full import _source
 from smpckpt.storage.full._source import (
     ArtifactFile,
@@ -118,12 +118,49 @@ def _collect(
                 f"{fqn!r}: the ranks' shards cover {covered} of its {math.prod(shape)} elements (global shape "
                 f"{list(shape)}); a full artifact needs every element exactly once"
             )
-        if len(boxes) <= 64:
-            for i in range(len(boxes)):
-                for j in range(i + 1, len(boxes)):
-                    if intersect(boxes[i], boxes[j]) is not None:
-                        raise SpecError(f"{fqn!r}: shards at offsets {boxes[i][0]} and {boxes[j][0]} overlap")
+        # in bounds + disjoint + the element count above = every element exactly once, at any chunk count
+        for off, size in boxes:
+            if (
+                len(off) != len(shape)
+                or len(size) != len(shape)
+                or any(o < 0 or n < 0 or o + n > d for o, n, d in zip(off, size, shape))
+            ):
+                raise SpecError(f"{fqn!r}: shard at offsets {list(off)} sizes {list(size)} lies outside {list(shape)}")
+        pair = _first_overlap(boxes, 0)
+        if pair is not None:
+            raise SpecError(f"{fqn!r}: shards at offsets {pair[0][0]} and {pair[1][0]} overlap")
     return shapes, dtypes, object_items
+
+
+def _first_overlap(boxes: Sequence[Box], dim: int) -> tuple[Box, Box] | None:
+    """Two of ``boxes`` (in bounds, all of one rank) that overlap, or ``None``: exact at any count.
+
+    A sweep along ``dim``: two boxes overlap iff their ``dim`` ranges do and they overlap in the
+    dimensions after it; at the later of their two starts both are live and one has just arrived,
+    so checking the live set (recursively, one dimension on) whenever boxes arrive finds every overlap.
+    Grid-like shardings (TP x DP) make each live set one band: O(n log n); the last dimension is
+    a sort. Empty boxes overlap nothing (as in ``intersect``)."""
+    boxes = [b for b in boxes if all(n > 0 for n in b[1])]
+    if len(boxes) < 2:
+        return None
+    if not boxes[0][0]:  # 0-dim: any two chunks are the same element
+        return boxes[0], boxes[1]
+    boxes.sort(key=lambda b: b[0][dim])
+    last = dim == len(boxes[0][0]) - 1
+    live: list[Box] = []
+    i = 0
+    while i < len(boxes):
+        at = boxes[i][0][dim]
+        live = [b for b in live if b[0][dim] + b[1][dim] > at]
+        while i < len(boxes) and boxes[i][0][dim] == at:
+            live.append(boxes[i])
+            i += 1
+        if last:
+            if len(live) > 1:  # ends are > at, starts <= at: all live ranges share ``at``
+                return live[0], live[-1]
+        elif len(live) > 1 and (pair := _first_overlap(live, dim + 1)) is not None:
+            return pair
+    return None
 
 
 def _expressions(

@@ -45,7 +45,7 @@ machine, read them next to the times.
 Ratios are medians of per-round ratios (min..max), measured in the same run.
 
     python benchmarks/bench_tiers.py            # 512 MiB over 4 ranks, 1 warm-up + 5 rounds (~4 min, 2 vCPU)
-    python benchmarks/bench_tiers.py --quick    # 16 MiB, 1 warm-up + 1 round, no pauses (smoke test)
+    python benchmarks/bench_tiers.py --quick    # 4 MiB, 1 warm-up + 1 round, no pauses (smoke test)
     python benchmarks/bench_tiers.py --no-s3    # the disk folder only
     python benchmarks/bench_tiers.py --phases drain --no-s3   # the drain alone (before/after a change to it)
 """
@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) contenders")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds of pause before every timed operation")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for the whole run of the ranks")
-    ap.add_argument("--quick", action="store_true", help="16 MiB, hidden 512, 1 round, no pauses (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="4 MiB, hidden 512, 1 round, no pauses (smoke test)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/tiers_<timestamp>.json)")
     ap.add_argument(
         "--phases", default="save,drain,resume", help="which phases, comma-separated (e.g. drain: the drain alone)"
@@ -547,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     if not phases or set(phases) - {"save", "drain", "resume"}:
         ap.error(f"--phases takes save, drain, resume; got {args.phases!r}")
     if args.quick:
-        args.size_mib, args.hidden, args.rounds, args.settle = 16, 512, 1, 0.0
+        # 4 layers (was 16): every case, tier and path as before, a quarter of the tensors to plan and move
+        args.size_mib, args.hidden, args.rounds, args.settle = 4, 512, 1, 0.0
     if args.hidden % WORLD or args.rounds < 1:
         ap.error(f"--hidden must be a multiple of {WORLD}; --rounds at least 1")
     layers = max(1, round(args.size_mib * MiB / (args.hidden * args.hidden * 4)))

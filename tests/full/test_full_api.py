@@ -590,6 +590,12 @@ def _export_llama_stage(rank: int, world: int, root: str, drift: float) -> list[
     return [str(w.message) for w in caught if "tie_word_embeddings" in str(w.message)]
 
 
+def _export_llama_stages(rank: int, world: int, root: str, drifts: tuple[float, ...]) -> list[list[str]]:
+    """:func:`_export_llama_stage` for each drift in one world: a world per drift cost a spawn and a
+    transformers import per rank each (the suite's time); each drift keeps its own folders and warnings."""
+    return [_export_llama_stage(rank, world, root, drift) for drift in drifts]
+
+
 @pytest.mark.dist
 def test_an_export_of_a_tied_config_over_a_head_held_apart_that_drifted_is_warned_by_name(tmp_path: Any) -> None:
     """A config tying the head to the embedding over a pipeline whose last stage holds its own head that drifted
@@ -602,7 +608,8 @@ def test_an_export_of_a_tied_config_over_a_head_held_apart_that_drifted_is_warne
     from transformers import LlamaForCausalLM
 
     root = str(tmp_path)
-    said = run_world(_export_llama_stage, 2, root, 0.25, timeout=180)
+    both = run_world(_export_llama_stages, 2, root, (0.25, 0.0), timeout=180)
+    said, level = [r[0] for r in both], [r[1] for r in both]
     assert "'lm_head.weight' and 'model.embed_tokens.weight'" in said[0][0] and "drift0.25" in said[0][0], said
     out, config = tmp_path / "consolidated", _tied_llama_config().to_dict()
     with pytest.warns(UserWarning, match=r"'lm_head\.weight' and 'model\.embed_tokens\.weight' differ"):
@@ -612,7 +619,7 @@ def test_an_export_of_a_tied_config_over_a_head_held_apart_that_drifted_is_warne
             assert json.load(f)["tie_word_embeddings"] is True
         back = load_file(str(folder / "model.safetensors"))
         assert torch.equal(back["lm_head.weight"], back["model.embed_tokens.weight"] + 0.25)
-    assert run_world(_export_llama_stage, 2, root, 0.0, timeout=180) == [[], []]
+    assert level == [[], []], both
     with open(tmp_path / "drift0.0" / "config.json") as f:
         assert json.load(f)["tie_word_embeddings"] is True
     back = LlamaForCausalLM.from_pretrained(str(tmp_path / "drift0.0"))

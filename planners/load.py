@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 from smpckpt._checks import check_flag
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, UnsafeCheckpoint, quantized_record_fits
+from smpckpt.model._name_map import stateless_when_saved
 from smpckpt.model.layout import (
     RESERVED,
     UNREAD_KEY,
@@ -301,7 +302,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         asked, local = {e.local_key: sources.get(k, k) for k, e in self.entries.items()}, self.entries
         owners = {k: fqn for k, (fqn, _) in self.state_params.items()}  # the spec's pairing (under a name_map)
         keys = [local[k].local_key for k in missing]
-        none = set(RESERVED.stateless_when_saved(keys, asked, sorted(md_all), owners, self.name_map))
+        none = set(stateless_when_saved(keys, asked, sorted(md_all), owners, self.name_map))
         return {k for k in missing if local[k].local_key in none}
 
     def _reads_into(self, entry: Entry) -> Entry:

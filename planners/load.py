@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.planner_helpers import (
 from smpckpt._checks import check_flag
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, UnsafeCheckpoint, quantized_record_fits
-from smpckpt.model._name_map import stateless_when_saved
 from smpckpt.model.layout import (
     RESERVED,
     UNREAD_KEY,
@@ -50,7 +49,7 @@ from smpckpt.model.layout import (
     checkpoint_original_shapes,
     checkpoint_ties,
 )
-from smpckpt.model.specs import SpecLike, SpecRules
+from smpckpt.model.specs import SpecLike, SpecRules, stateless_when_saved
 from smpckpt.planners import _key_notes as notes  # the judgement of an artifact read as it is, hints
 from smpckpt.planners._cache import check_plan_ranks, compact
 from smpckpt.planners._entries import (

@@ -1,4 +1,4 @@
-"""The judgements a load makes by the destination's names under a name_map (``smpckpt.model._name_map``, and
+"""The judgements a load makes by the destination's names under a name_map (``specs.stateless_when_saved``, and
 ``ReservedKeys.in_own_dtype`` beside it): one plan, one table of each destination name -> the key read for it."""
 
 from __future__ import annotations

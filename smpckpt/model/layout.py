@@ -3,7 +3,8 @@ order, ``pp_layers`` and the renaming of stage-local keys: the README's "The lay
 
 The top-level keys :func:`~smpckpt.save_checkpoint` reserves are named here only (the API builds its
 state dict, rank-local globs and optional-key globs from that one object; :func:`wrap_name_map` keeps them
-out of a user's name_map). What such a map does to the judgements of a resume is :mod:`smpckpt.model._name_map`'s.
+out of a user's name_map). What such a map does to the pairing of optimizer state with its parameter is
+:mod:`smpckpt.model.specs`'s.
 
 What a checkpoint records about how it was partitioned is one type, :class:`LayoutRecord`: the save
 planner stores its JSON in ``Metadata.planner_data`` under :data:`METADATA_KEY`, the storage writer

@@ -49,7 +49,7 @@ from smpckpt.model.layout import (
     checkpoint_original_shapes,
     checkpoint_ties,
 )
-from smpckpt.model.specs import SpecLike, SpecRules
+from smpckpt.model.specs import SpecLike, SpecRules, stateless_when_saved
 from smpckpt.planners import _key_notes as notes  # the judgement of an artifact read as it is, hints
 from smpckpt.planners._cache import check_plan_ranks, compact
 from smpckpt.planners._entries import (
@@ -254,7 +254,9 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         missing = [k for k in missing if not self._is_optional(k)]
         # judged by the key read (a tied copy's optimizer state is read from the copy kept: rev62g F6)
         read = [sources.get(k, k) for k in missing]
-        never = self._stateless_when_saved(missing, sources, md_all)
+        # each destination name (before a name_map) -> the key read for it: one table for the judgements by those names
+        asked = {e.local_key: sources.get(k, k) for k, e in self.entries.items()}
+        never = self._stateless_when_saved(missing, asked, md_all)
         missing, read = [k for k in missing if k not in never], [r for k, r in zip(missing, read) if k not in never]
         if missing and not self.allow_partial_load:
             shown = [r if r == k else f"{r} (for {k})" for k, r in zip(missing, read)]
@@ -279,7 +281,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             tuple(skipped),
             tied,
             tuple(sorted(never)),
-            tuple(RESERVED.in_own_dtype({e.local_key: sources.get(k, k) for k, e in self.entries.items()}, md_all)),
+            tuple(RESERVED.in_own_dtype(asked, md_all)),
             tuple(self.entries[k].local_key for k in (*missing, *skipped)),
         )
         if resharded:
@@ -292,16 +294,16 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         return compact(LoadPlan(items, planner_data={"empty": empty + tied_covered, "rank": self.rank, **evidence}))
 
     def _stateless_when_saved(
-        self, missing: list[str], sources: Mapping[str, str], md_all: Mapping[str, Any]
+        self, missing: list[str], asked: Mapping[str, str], md_all: Mapping[str, Any]
     ) -> set[str]:
         """The ``missing`` keys that are state of a parameter the checkpoint holds no optimizer state for, judged by
-        the destination's names beside the checkpoint keys read for them (a name_map may move ``optim.``, fix72j)."""
+        the destination's names, ``asked``'s, beside the keys read for them (a name_map may move ``optim.``, fix72j)."""
         if not missing:
             return set()
-        asked, local = {e.local_key: sources.get(k, k) for k, e in self.entries.items()}, self.entries
+        local = self.entries
         owners = {k: fqn for k, (fqn, _) in self.state_params.items()}  # the spec's pairing (under a name_map)
         keys = [local[k].local_key for k in missing]
-        none = set(RESERVED.stateless_when_saved(keys, asked, sorted(md_all), owners, self.name_map))
+        none = set(stateless_when_saved(keys, asked, sorted(md_all), owners, self.name_map))
         return {k for k in missing if local[k].local_key in none}
 
     def _reads_into(self, entry: Entry) -> Entry:

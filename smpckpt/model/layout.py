@@ -2,7 +2,9 @@
 order, ``pp_layers`` and the renaming of stage-local keys: the README's "The layout model", "PP renaming").
 
 The top-level keys :func:`~smpckpt.save_checkpoint` reserves are named here only (the API builds its
-state dict, rank-local globs and optional-key globs from that one object).
+state dict, rank-local globs and optional-key globs from that one object; :func:`wrap_name_map` keeps them
+out of a user's name_map). What such a map does to the pairing of optimizer state with its parameter is
+:mod:`smpckpt.model.specs`'s.
 
 What a checkpoint records about how it was partitioned is one type, :class:`LayoutRecord`: the save
 planner stores its JSON in ``Metadata.planner_data`` under :data:`METADATA_KEY`, the storage writer
@@ -15,7 +17,6 @@ still reads those."""
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import hashlib
 import re
@@ -26,10 +27,15 @@ from typing import Any, NamedTuple
 from smpckpt._formats import API_RECORD, API_RECORD_V1, FULL_API_RECORD, RECORD_VERSION  # noqa: F401 - named here too (their old home)
 from smpckpt.errors import CheckpointCorrupt, SpecError
 
-__all__ = ["ParallelLayout", "RankCoords", "AXES", "KeyMapper", "NameMap", "ReservedKeys", "RESERVED"]
-__all__ += ["OPTIM_STATE_PREFIX", "FULL_ARTIFACTS", "API_RECORD", "API_RECORD_V1", "FULL_API_RECORD", "LayoutRecord"]
-__all__ += ["METADATA_KEY", "MANIFEST_KEY", "RECORD_VERSION", "TIED_KEY", "checkpoint_ties", "MERGED_KEY"]
-__all__ += ["UNREAD_KEY", "wrapped", "wrap_name_map", "checkpoint_original_shapes"]
+# the layout and pipeline renaming
+__all__ = ["ParallelLayout", "RankCoords", "AXES", "KeyMapper", "NameMap", "wrapped"]
+# the keys save_checkpoint reserves
+__all__ += ["ReservedKeys", "RESERVED", "OPTIM_STATE_PREFIX", "FULL_ARTIFACTS", "wrap_name_map"]
+# the layout record, and the format tags still named here (their old home)
+__all__ += ["LayoutRecord", "METADATA_KEY", "MANIFEST_KEY", "RECORD_VERSION"]
+__all__ += ["API_RECORD", "API_RECORD_V1", "FULL_API_RECORD"]
+# what a checkpoint's planner_data says of its keys beside the record (plain Hugging Face folders, translations)
+__all__ += ["TIED_KEY", "MERGED_KEY", "UNREAD_KEY", "checkpoint_ties", "checkpoint_original_shapes"]
 
 
 #: Parallel axes a :class:`~smpckpt.ShardSpec` can name, in rank order (fastest first).
@@ -192,57 +198,6 @@ class ReservedKeys:
         parts = rest.split(".")
         return next((f for f in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if f in params), None)
 
-    def stateless_when_saved(
-        self,
-        missing: Sequence[str],
-        keys: Mapping[str, str],
-        saved: Sequence[str],
-        owners: Mapping[str, str] = {},
-        name_map: Callable[[str], str] | None = None,
-    ) -> list[str]:
-        """The ``missing`` keys that are optimizer state of a parameter the checkpoint holds param groups
-        but no state at all for: it had none when saved (no gradient yet: an unused branch, an expert
-        never routed to), so a strict resume is right to leave it without, not to refuse. Judged on the
-        destination's side alone (rev72p): keys are its own (``optim.state.<fqn>.<name>``, before any name_map),
-        each key's parameter ``owners``' FQN (the spec's pairing, ``specs.state_params``) or else the longest FQN
-        in front among its param groups' keys; ``keys``: each destination key -> the checkpoint key read for it
-        (a map may move either prefix and add a suffix, fix72j, fix72m); ``saved``: the checkpoint's keys, sorted.
-        The parameter's saved state is looked for under the key read up to where the key's ``.<name>`` is in it
-        (:func:`_read_prefix`; else :func:`_probed_prefix`, rev73a); neither: never judged stateless (refused)."""
-        state, groups = f"{self.optim}.state.", f"{self.optim}.param_groups."
-
-        def has(key: str) -> bool:
-            i = bisect.bisect_left(saved, key)
-            return i < len(saved) and saved[i] == key
-
-        # the parameters whose param groups the checkpoint holds, of those a missing key may be state of (rev72l
-        # L2: a bisect for each of them alone); hyper-parameter names hold no dots: in the destination's names
-        # (never the checkpoint's, which a map may have given dotted suffixes, rev72p) what is in front of the
-        # last one is the parameter's FQN
-        maybe: set[str] = set()
-        for parts in (k[len(state) :].split(".") for k in missing if k.startswith(state)):
-            maybe.update(".".join(parts[:i]) for i in range(1, len(parts)))
-        held = {
-            f
-            for k, r in keys.items()
-            if k.startswith(groups) and (f := k[len(groups) :].rpartition(".")[0]) in maybe and has(r)
-        }
-        out = []
-        for key in missing:
-            if not key.startswith(state):
-                continue
-            fqn = owners.get(key) or self.state_owner(key[len(state) :], held)
-            if fqn is not None and fqn in held:
-                tail = key[len(state) + len(fqn) :]  # ".<name>[.<inner>]"
-                prefix = _read_prefix(read := keys.get(key, key), tail)
-                if prefix is None and name_map is not None:
-                    prefix = _probed_prefix(name_map, key[: len(state) + len(fqn)], read)
-                if prefix is not None:
-                    i = bisect.bisect_left(saved, prefix)
-                    if i == len(saved) or not saved[i].startswith(prefix):
-                        out.append(key)
-        return out
-
     def in_own_dtype(self, keys: Mapping[str, str], saved: Mapping[str, Any]) -> list[str]:
         """The optimizer state ``keys`` (a destination key -> the checkpoint key read for it, the model's
         keys too) saved in a dtype other than their parameter's, both as saved (``saved``: the checkpoint's
@@ -267,29 +222,6 @@ class ReservedKeys:
             if mine is not None and its is not None and mine != its:
                 out.append(key)
         return out
-
-
-def _read_prefix(read: str, tail: str) -> str | None:
-    """The part of ``read`` (a checkpoint key) in front of ``tail`` (a state key's ``.<name>``), and a dot: where a map
-    put that parameter's state. Its first place followed by no name character (its end, or a suffix: ``.v1``, ``@v1``):
-    a name also in the map's own part gives a shorter prefix (refused, never skipped; state ``v1``, rev73a)."""
-    i = read.find(tail)
-    while i >= 0:
-        after = read[i + len(tail) : i + len(tail) + 1]
-        if not (after.isalnum() or after == "_"):
-            return read[:i] + "."
-        i = read.find(tail, i + 1)
-    return None
-
-
-def _probed_prefix(name_map: Callable[[str], str], at: str, read: str) -> str | None:
-    """Where a map renaming state names (``.exp_avg`` -> ``.m``) puts the state of the parameter at ``at``: a probe
-    ``<at>.\\x00`` mapped, up to that (as ``_saved_state_keys``), if ``read`` is under it too; else ``None``: refused."""
-    try:
-        probe = name_map(at + ".\x00")
-    except LookupError:  # a strict map (a dict's)
-        return None
-    return pre if (pre := probe[: probe.find(".\x00") + 1]) and read.startswith(pre) else None
 
 
 def _dtype(md: Any) -> Any:

@@ -1,8 +1,18 @@
 """Shard specs: how a plain local tensor is a piece of a global tensor (:class:`ShardSpec`), and the glob
-rules attaching them to keys (:class:`SpecRules`; the README's "Spec rules" and "How rules meet keys")."""
+rules attaching them to keys (:class:`SpecRules`; the README's "Spec rules" and "How rules meet keys").
+
+The pairing of optimizer state with its own parameter lives here too, beside the rules it feeds: which parameter a
+state key belongs to, under a user's ``name_map`` as well (:func:`state_params`, :func:`nested_state`), and whether a
+parameter's missing state is state it never had when saved (:func:`stateless_when_saved`). A map may rename anything:
+move ``model.``/``optim.``, add a suffix (``k + ".v1"``), rename state names (``.exp_avg`` -> ``.m``); so these are
+judged on the destination's names (before the map) beside the checkpoint keys read for them, never by parsing the
+checkpoint's names, which may name another parameter or carry dotted parts a hyper-parameter's name would pass for
+(rev72p, rev73a). (Here rather than a module of their own: every resume that misses a parameter's state, a frozen or
+never-routed one, asks :func:`stateless_when_saved`, and one more module would put it past 25 on its call path.)"""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import fnmatch
 import functools
@@ -19,7 +29,7 @@ from smpckpt.errors import SpecError
 from smpckpt.model.layout import OPTIM_STATE_PREFIX, RESERVED, RankCoords
 
 __all__ = ["ShardSpec", "SpecRules", "SpecLike", "ShardGeometry", "shard_geometry", "OPTIMIZER_STATE_PREFIXES"]
-__all__ += ["spec_rules", "state_params", "nested_state"]
+__all__ += ["spec_rules", "state_params", "nested_state", "stateless_when_saved"]
 
 #: Key prefixes under which torch's FQN-keyed optimizer state lives (``get_state_dict`` with
 #: ``flatten_optimizer_state_dict=True`` gives ``optim.state.<param>.<name>``). A key under one of
@@ -392,3 +402,77 @@ def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
     if specs is not None and not isinstance(specs, (Mapping, SpecRules)):
         raise TypeError(f"specs must be a mapping of glob -> ShardSpec, got {type(specs).__name__}")
     return SpecRules.of(specs, also_under=(RESERVED.model,))
+
+
+def stateless_when_saved(
+    missing: Sequence[str],
+    keys: Mapping[str, str],
+    saved: Sequence[str],
+    owners: Mapping[str, str] = {},
+    name_map: Callable[[str], str] | None = None,
+) -> list[str]:
+    """The ``missing`` keys that are optimizer state of a parameter the checkpoint holds param groups
+    but no state at all for: it had none when saved (no gradient yet: an unused branch, an expert
+    never routed to), so a strict resume is right to leave it without, not to refuse. Judged on the
+    destination's side alone (rev72p): keys are its own (``optim.state.<fqn>.<name>``, before any name_map),
+    each key's parameter ``owners``' FQN (the spec's pairing, ``specs.state_params``) or else the longest FQN
+    in front among its param groups' keys; ``keys``: each destination key -> the checkpoint key read for it
+    (a map may move either prefix and add a suffix, fix72j, fix72m); ``saved``: the checkpoint's keys, sorted.
+    The parameter's saved state is looked for under the key read up to where the key's ``.<name>`` is in it
+    (:func:`_read_prefix`; else :func:`_probed_prefix`, rev73a); neither: never judged stateless (refused)."""
+    state, groups = OPTIM_STATE_PREFIX, f"{RESERVED.optim}.param_groups."
+
+    def has(key: str) -> bool:
+        i = bisect.bisect_left(saved, key)
+        return i < len(saved) and saved[i] == key
+
+    # the parameters whose param groups the checkpoint holds, of those a missing key may be state of (rev72l
+    # L2: a bisect for each of them alone); hyper-parameter names hold no dots: in the destination's names
+    # (never the checkpoint's, which a map may have given dotted suffixes, rev72p) what is in front of the
+    # last one is the parameter's FQN
+    maybe: set[str] = set()
+    for parts in (k[len(state) :].split(".") for k in missing if k.startswith(state)):
+        maybe.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    held = {
+        f
+        for k, r in keys.items()
+        if k.startswith(groups) and (f := k[len(groups) :].rpartition(".")[0]) in maybe and has(r)
+    }
+    out = []
+    for key in missing:
+        if not key.startswith(state):
+            continue
+        fqn = owners.get(key) or RESERVED.state_owner(key[len(state) :], held)
+        if fqn is not None and fqn in held:
+            tail = key[len(state) + len(fqn) :]  # ".<name>[.<inner>]"
+            prefix = _read_prefix(read := keys.get(key, key), tail)
+            if prefix is None and name_map is not None:
+                prefix = _probed_prefix(name_map, key[: len(state) + len(fqn)], read)
+            if prefix is not None:
+                i = bisect.bisect_left(saved, prefix)
+                if i == len(saved) or not saved[i].startswith(prefix):
+                    out.append(key)
+    return out
+
+
+def _read_prefix(read: str, tail: str) -> str | None:
+    """The part of ``read`` (a checkpoint key) in front of ``tail`` (a state key's ``.<name>``), and a dot: where a map
+    put that parameter's state. Its first place followed by no name character (its end, or a suffix: ``.v1``, ``@v1``):
+    a name also in the map's own part gives a shorter prefix (refused, never skipped; state ``v1``, rev73a)."""
+    i = read.find(tail)
+    while i >= 0:
+        after = read[i + len(tail) : i + len(tail) + 1]
+        if not (after.isalnum() or after == "_"):
+            return read[:i] + "."
+        i = read.find(tail, i + 1)
+    return None
+
+
+def _probed_prefix(name_map: Callable[[str], str], at: str, read: str) -> str | None:
+    """Where a map renaming state names (``.exp_avg`` -> ``.m``) puts the state of the parameter at ``at``: a probe
+    ``<at>.\\x00`` mapped, up to that (as ``_saved_state_keys``), if ``read`` is under it too; else ``None``: refused."""
+    try:
+        probe = name_map(at + ".\x00")
+    except LookupError:  # a strict map (a dict's)
+        return None
+    return pre if (pre := probe[: probe.find(".\x00") + 1]) and read.startswith(pre) else None

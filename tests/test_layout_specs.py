@@ -346,7 +346,7 @@ def test_held_by_some_keys_are_saved_once_and_their_holders_must_agree():
     assert torch.equal(loaded[0]["model"]["experts.1.w"], w + 1)
 
 
-_PREFIX_MAPS = {  # as tests/api/test_optimizer_state.py's _MAPS: name_maps moving the model's or optimizer's prefix
+_PREFIX_MAPS = {  # as tests/api/optim_state_helpers.py's _MAPS: name_maps moving the model's or optimizer's prefix
     "model-to-net": lambda k: "net." + k[6:] if k.startswith("model.") else k,
     "model-only-under-body": lambda k: "model.body." + k[6:] if k.startswith("model.") else k,
     "optim-to-opt": lambda k: "opt." + k[6:] if k.startswith("optim.") else k,

@@ -19,9 +19,10 @@ import torch
 from smpckpt import Checkpointer, Location, SaveOptions
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.storage import remove_checkpoint, verify_checkpoint
+from smpckpt.storage.format.manifest import MANIFEST_NAME, REMOVING_NAME
 
 
-@pytest.mark.parametrize("how", ["removed", "replaced", "by hand", "full removed"])
+@pytest.mark.parametrize("how", ["removed", "replaced", "by hand", "full removed", "stale mark + by hand"])
 def test_verify_tells_a_checkpoint_removed_or_replaced_meanwhile_from_damage(tmp_path: Any, how: str) -> None:
     model = torch.nn.Linear(16, 16)
     with Checkpointer(str(tmp_path)) as ck:
@@ -43,9 +44,20 @@ def test_verify_tells_a_checkpoint_removed_or_replaced_meanwhile_from_damage(tmp
             with Checkpointer(str(tmp_path)) as again:
                 again.save("s", model, options=SaveOptions(overwrite=True))
         else:
-            for name in data:
+            for name in data + ([MANIFEST_NAME] if how.startswith("stale") else []):
                 os.remove(os.path.join(url, name))
 
+    if how.startswith("stale"):
+        # rev73e 2: a removal that crashed after its mark, before the manifest delete, left the checkpoint
+        # committed beside the mark; files then deleted by hand read as "removed ... (not damaged)". A mark with
+        # the generation's files still there (its metadata) is a removal running or such a stale mark: both said
+        with open(os.path.join(url, REMOVING_NAME), "wb") as f:
+            f.write(b"removing 0123456789abcdef\n")
+        with pytest.raises(CheckpointError) as stale:
+            verify_checkpoint(url, progress=meanwhile)
+        assert fired and "not damaged" not in str(stale.value), stale.value
+        assert "or damaged by hand" in str(stale.value) and data[0] in str(stale.value), stale.value
+        return
     if how == "by hand":  # damage: reported, as before
         report = verify_checkpoint(url, progress=meanwhile)
         assert fired and sorted(report.problems) == sorted(f"{n}: missing" for n in data), report.problems

@@ -145,8 +145,19 @@ def generation_gone(fs: Any, path: str, url: str, manifest: Manifest, doing: str
     # such as S3's `0/`: every generation's, rev64a F1; a file in one counts, rev64d F2), with no removal's
     # mark (set before the manifest goes, dropped after the last file) nor a full save's: deleted by hand
     read = {f.name for f in manifest.files} | {manifest.metadata.name}
-    if names & read and not names & {REMOVING_NAME, WRITING_MARKER}:
+    left = names & read
+    if left and not names & {REMOVING_NAME, WRITING_MARKER}:
         return None
+    if now is None and left and REMOVING_NAME in names:
+        # files of the generation still there beside a removal's mark: a removal running now, or a stale mark (a
+        # removal that crashed before its manifest delete leaves the checkpoint committed) and files deleted by
+        # hand. Not told apart here: both said, never "not damaged" alone (rev73e 2)
+        gone = sorted(read - names)
+        return CheckpointError(
+            f"{url} was removed, or damaged by hand, while this {doing} read it: {gone[:5]} gone, {sorted(left)[:5]} "
+            f"still there beside a removal's mark ({REMOVING_NAME}: a removal running, or one that crashed before). "
+            f"If no removal is running, the files were deleted by hand: the checkpoint is damaged"
+        )
     what = "removed (retention, prune or another job)" if now is None else "replaced by another save (overwrite=True)"
     return CheckpointError(f"{url} was {what} while this {doing} read it (not damaged): {doing} again")
 

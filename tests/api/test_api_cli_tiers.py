@@ -214,6 +214,39 @@ def test_verify_local_names_a_corrupt_byte_in_a_fast_tier_file(tiered: tuple[str
     assert _run("verify", f"{root}/step2")[0] == 0  # without --local: the durable copy only, as before
 
 
+def test_verify_local_reports_the_fast_tier_when_the_durable_copy_is_removed_meanwhile(
+    tiered: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev73e 3: verify --local checked the fast tier first, then the durable copy; a durable copy removed
+    (retention, prune) while verify read it raises "was removed ... verify again" (hunt73b), which escaped
+    _cmd_verify before the fast tier's report was written: a damaged fast-tier file found in that run was
+    never named. Now the durable error is its verdict (exit 1) and the fast tier's report follows."""
+    from smpckpt.storage import remove_checkpoint
+    from smpckpt.tools import cli
+
+    root, node = tiered
+    folder = f"{_j(node, root)}/step2_partial"
+    name = sorted(f.name for f in _manifest(folder).files)[0]
+    _flip_byte(f"{folder}/{name}")
+    real, fired = cli.verify_checkpoint, []
+
+    def racing(url: str, options: Any = None, progress: Any = None) -> Any:  # the real verify, raced
+        def meanwhile(done: int, total: int) -> None:  # once the metadata is checked: another job's prune
+            if not fired:
+                fired.append(done)
+                remove_checkpoint(url)
+
+        return real(url, options, progress=meanwhile)
+
+    monkeypatch.setattr(cli, "verify_checkpoint", racing)
+    rc, out, err = _run("verify", f"{root}/step2", "--local", node)
+    assert fired and rc == 1, (rc, out, err)
+    assert f"FAILED {root}/step2_partial: 1 problem(s)\n  {root}/step2_partial was removed" in err, err
+    assert "verify again" in err, err
+    assert f"FAILED fast tier step2: 2 problem(s)\n  {folder}/{name}: checksum mismatch in bytes " in err, err
+    assert f"  {node}: committed; " in out, out
+
+
 def _split(
     node: str, base: str, tag: str, a_names: list[str] | None, root: str
 ) -> tuple[str, str, list[str], list[str]]:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from smpckpt import resume_from_checkpoint, save_checkpoint
-from smpckpt.storage.full import _source
+from smpckpt.storage.full import _plan, _source
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -42,13 +42,20 @@ def _headers(folder: Path) -> dict[str, int]:
 
 
 def test_export_cuts_files_under_the_header_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    limit = 4096  # ~60 keys' header entries: 400 keys need several files
+    # the exporter keeps _HEADER_SLACK for the header's fixed part: a limit equal to it (as here before,
+    # rev73e 4) left no room for entries, a file per key whatever _header_bound said, and a bound of 1 byte a
+    # key passed. 3000 bytes past the slack: ~40 keys' entries a file, so 400 keys need about 10 files
+    room = 3000
+    limit = _plan._HEADER_SLACK + room
     monkeypatch.setattr(_source, "MAX_HEADER", limit)
     model = _experts(400, 1)
     save_checkpoint(tmp_path, "full", partial=False, model=model)
     folder = tmp_path / "full"
     headers = _headers(folder)
     assert len(headers) > 1 and max(headers.values()) <= limit, headers
+    # and filled: the bound is tight (an entry's bytes, never under), so a file's entries come within one
+    # entry (~75 bytes, 200 allowed) of the room; a bound too loose cuts files early and fails here
+    assert max(headers.values()) > room - 200, headers
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     assert sorted(index["weight_map"]) == sorted(model.state_dict())
     got = _experts(400, 2)

@@ -901,3 +901,36 @@ def test_planners_given_ranks_other_than_their_place_in_the_world_are_refused():
     one = tp_state(1, blank=True)  # one process planning rank 1's piece alone (offline) stays allowed
     sim_load([one], [ParallelLoadPlanner(TP2, specs, rank=1)], [MemoryReader(store)])
     assert torch.equal(one["w"], FULL.chunk(2)[1])
+
+
+def test_planners_given_swapped_stages_or_dp_shards_are_refused_a_dp_only_reorder_saves_right():
+    # rev73d 1: the test above swaps TP ranks only; a check comparing tp alone passed it while PP stages
+    # swapped (stage 0's layer saved as layer 1) and DP shards swapped under a dp spec saved wrong, silently
+    pp = ParallelLayout(pp=2, pp_layers=(1, 1))
+    stages = [{"model": {"layers": {"0": {"w": torch.full((2,), float(s))}}}} for s in range(2)]
+    with pytest.raises(SpecError, match=r"rank 1 at place 0, rank 0 at place 1"):
+        sim_save(stages, [ParallelSavePlanner(pp, {}, rank=1 - r) for r in range(2)], [MemoryWriter(MemoryStore())] * 2)
+    dp = ParallelLayout(dp=2)
+    zero = {"w": ShardSpec(0, axis="dp")}
+    halves = [{"w": FULL[3 * r : 3 * r + 3].clone()} for r in range(2)]
+    with pytest.raises(SpecError, match=r"rank 1 at place 0, rank 0 at place 1"):
+        sim_save(
+            halves, [ParallelSavePlanner(dp, zero, rank=1 - r) for r in range(2)], [MemoryWriter(MemoryStore())] * 2
+        )
+    # without a dp spec DP ranks hold equal replicas: a reorder of DP ranks only is allowed (test_plan_cache
+    # reverses them on purpose to move the coordinator) and must still save every piece at its place
+    layout = ParallelLayout(tp=2, dp=2)
+    coords = [layout.coords(r) for r in range(4)]
+    swap = [next(q for q in range(4) if coords[q].tp == c.tp and coords[q].dp != c.dp) for c in coords]
+    assert swap != list(range(4))
+    store = MemoryStore()
+    sds = [{"w": FULL.chunk(2)[c.tp].clone()} for c in coords]
+    planners = [ParallelSavePlanner(layout, {"w": ShardSpec(0)}, rank=swap[r]) for r in range(4)]
+    sim_save(sds, planners, [MemoryWriter(store) for _ in range(4)])
+    whole = {"w": torch.zeros(6, 4)}
+    sim_load([whole], [ParallelLoadPlanner(ParallelLayout(), {"w": ShardSpec(0)})], [MemoryReader(store)])
+    assert torch.equal(whole["w"], FULL)
+    back = [{"w": torch.zeros(3, 4)} for _ in range(4)]
+    planners = [ParallelLoadPlanner(layout, {"w": ShardSpec(0)}, rank=swap[r]) for r in range(4)]
+    sim_load(back, planners, [MemoryReader(store) for _ in range(4)])
+    assert all(torch.equal(back[r]["w"], FULL.chunk(2)[c.tp]) for r, c in enumerate(coords))

@@ -871,6 +871,16 @@ def test_a_planner_option_that_could_mean_two_things_is_refused_by_name(planner,
         planner(ParallelLayout(), **kw)
 
 
+@pytest.mark.parametrize("name", ["rank_local", "held_by_some"])
+@pytest.mark.parametrize("planner", [ParallelSavePlanner, ParallelLoadPlanner])
+@pytest.mark.parametrize("globs", [[1], ["rng.*", None], 7])
+def test_glob_options_holding_a_non_string_are_refused_by_name(planner, name, globs):
+    # rev73d 2: rank_local=[1] said "globs must be a list ..." and held_by_some=[1] "spec rule keys are glob
+    # strings": neither named the option (rank_local=7: "'int' object is not iterable", no name at all)
+    with pytest.raises(TypeError, match=rf"^{name} must be a list of key globs \(str\), got "):
+        planner(ParallelLayout(), **{name: globs})
+
+
 def test_a_strict_load_given_the_string_false_does_not_skip_a_missing_key():
     # before: both loads passed, 'b' (absent from the checkpoint) silently left at its old value
     store, _ = save([{"w": torch.ones(2)}], ParallelLayout())

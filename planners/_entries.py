@@ -6,11 +6,9 @@ tied keys of both (:func:`tied_entries`, :class:`TiedLoads`: the rules are ``Par
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import hashlib
 import io
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -22,7 +20,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from smpckpt._checks import check_int, check_process_group
+from smpckpt._checks import check_globs, check_int, check_process_group, compile_globs
 from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_plain, quantized_record_fits
 from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
@@ -30,7 +28,7 @@ from smpckpt.model.specs import nested_state as _nested
 from smpckpt.model.specs import state_params as _state_params
 from smpckpt.storage.format._safe_pickle import ViewFile, decode_object, encode_object
 
-__all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "tied_entries", "carries_no_data"]
+__all__ = ["Entry", "ObjectBytes", "dtensor_is_owner", "tied_entries", "carries_no_data"]
 __all__ += ["saved_ties"]
 __all__ += ["encode_object", "decode_object", "read_object"]  # the codec: _safe_pickle
 
@@ -83,17 +81,6 @@ class Entry:
 
 _NOT_SPLIT: frozenset[str] = frozenset()
 _STRIDED = torch.strided
-
-
-def compile_globs(patterns: Iterable[str], name: str = "globs") -> re.Pattern[str] | None:
-    """``patterns`` as one regex; a lone string is refused: it would be a glob per character, its ``*`` any key."""
-    listed = [] if isinstance(patterns, (str, bytes)) else list(patterns)
-    if isinstance(patterns, (str, bytes)) or not all(isinstance(p, str) for p in listed):
-        raise TypeError(f"{name} must be a list of key globs (str), got {patterns!r}")
-    patterns = listed
-    if not patterns:
-        return None
-    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
 
 
 def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
@@ -391,11 +378,10 @@ class LayoutScope:
         self._rank_arg = rank
         self.name_map = name_map
         self.process_group = process_group
-        for name, globs in (("rank_local", rank_local), ("held_by_some", held_by_some)):
-            if isinstance(globs, (str, bytes)):  # tuple("rng*") would be the globs 'r', 'n', 'g', '*'
-                raise TypeError(f"{name} must be a list of globs, not a single string: [{globs!r}]?")
-        self._rank_local_globs, self._held_globs = tuple(rank_local), tuple(held_by_some)
-        self._rank_local = compile_globs(self._rank_local_globs)
+        # refused by name: a lone string (tuple("rng*") is the globs 'r', 'n', 'g', '*') or a non-string item
+        self._rank_local_globs = check_globs("rank_local", rank_local)
+        self._held_globs = check_globs("held_by_some", held_by_some)
+        self._rank_local = compile_globs(self._rank_local_globs, "rank_local")
         self._held = SpecRules.of(dict.fromkeys(self._held_globs, ShardSpec(0)), also_under=self.rules.also_under)
 
     def _resolve(

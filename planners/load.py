@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-from smpckpt._checks import check_flag
+from smpckpt._checks import check_flag, compile_globs
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, UnsafeCheckpoint, quantized_record_fits
 from smpckpt.model.layout import (
@@ -56,7 +56,6 @@ from smpckpt.planners._entries import (
     Entry,
     LayoutScope,
     ObjectBytes,
-    compile_globs,
     number_as_tensor,
     read_object,
     set_at_path,

@@ -1,49 +1,22 @@
-"""Planner behaviour in a simulated world: dedup, replica checks, clear errors, caching, stock DCP compatibility."""
+"""Planner behaviour in a simulated world: dedup, replica checks, ties and empty pieces, clear errors naming the
+key, caching, stock DCP compatibility. (Rank and place checks: test_planner_ranks.py; tensors and options refused
+by name: test_planner_inputs.py.)"""
 
 from __future__ import annotations
 
 import argparse
 import pickle
-import re
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from planner_sim import FULL, TP2, load, save, tp_state
 from sim import MemoryReader, MemoryStore, MemoryWriter, reset_dcp_caches, sim_load, sim_save
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from smpckpt import (
-    CheckpointNotFound,
-    LayoutMismatch,
-    ParallelLayout,
-    ReplicaMismatch,
-    ShardSpec,
-    SpecError,
-    UnsafeCheckpoint,
-)
+from smpckpt import LayoutMismatch, ParallelLayout, ReplicaMismatch, ShardSpec, UnsafeCheckpoint
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-
-TP2 = ParallelLayout(tp=2)
-FULL = torch.arange(24, dtype=torch.float32).reshape(6, 4)
-
-
-def tp_state(rank: int, blank: bool = False) -> dict:
-    piece = FULL.chunk(2, dim=0)[rank].clone()
-    return {"w": torch.zeros_like(piece) if blank else piece, "b": torch.zeros(4) if blank else torch.ones(4)}
-
-
-def save(sds, layout, specs=None, store=None, **kw):
-    store = store or MemoryStore()
-    planners = [ParallelSavePlanner(layout, specs, rank=r, **kw) for r in range(layout.world_size)]
-    sim_save(sds, planners, [MemoryWriter(store) for _ in sds])
-    return store, planners
-
-
-def load(sds, layout, store, specs=None, **kw):
-    planners = [ParallelLoadPlanner(layout, specs, rank=r, **kw) for r in range(layout.world_size)]
-    sim_load(sds, planners, [MemoryReader(store) for _ in sds])
-    return planners
 
 
 def setup_function():
@@ -491,27 +464,6 @@ def test_two_worlds_in_one_process_do_not_share_plans():
     assert set(b.metadata.state_dict_metadata) == {"x"}
 
 
-@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
-def test_sparse_tensors_are_refused_naming_the_key(tmp_path):
-    """Planners and our writer (under DCP's own planner) alike: a clear SpecError, not torch's internals."""
-    for sparse in (torch.eye(4).to_sparse(), torch.eye(4).to_sparse_csr()):
-        with pytest.raises(SpecError, match=rf"emb: a {sparse.layout} tensor \(shape \(4, 4\)\) cannot be saved"):
-            save([{"emb": sparse, "b": torch.ones(4)}], ParallelLayout())
-    store, _ = save([{"emb": torch.eye(4)}], ParallelLayout())
-    with pytest.raises(SpecError, match=r"emb: a torch.sparse_coo tensor .*\.to_dense\(\)"):
-        load([{"emb": torch.eye(4).to_sparse()}], ParallelLayout(), store)
-
-    from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
-
-    with pytest.raises(
-        BaseException, match=r"emb: a torch.sparse_coo tensor \(shape \(4, 4\)\) cannot be saved"
-    ) as info:
-        dcp.save({"emb": torch.eye(4).to_sparse()}, storage_writer=FsspecStorageWriter(tmp_path), no_dist=True)
-    assert "SpecError" in str(info.value)
-    with pytest.raises(CheckpointNotFound):  # nothing committed
-        FsspecStorageReader(tmp_path).read_metadata()
-
-
 def test_partial_checkpoint_into_another_view_says_how_to_load_it(tmp_path):
     """Saved as a plain fused [3h, d]; loaded into a TP=2 layout viewing it as [3, h, d]: refused with
     the way out, and the way out (consolidate, then load the full artifact) is bit-exact."""
@@ -573,17 +525,6 @@ def test_stock_dcp_load_reads_our_checkpoint(tmp_path):
     assert torch.equal(flat["model"]["layers"]["1.w"], FULL + 100)
 
 
-def test_rank_outside_layout_and_world_mismatch_are_refused():
-    with pytest.raises(SpecError, match="outside the layout's world of 2"):
-        ParallelSavePlanner(TP2, rank=2).set_up_planner({"w": torch.ones(1)})
-    with pytest.raises(SpecError, match=r"dcp.save's world has 3 ranks but the layout .* describes 2"):
-        sim_save(
-            [{"w": torch.ones(1)}] * 3,
-            [ParallelSavePlanner(TP2, rank=r % 2) for r in range(3)],
-            [MemoryWriter(MemoryStore()) for _ in range(3)],
-        )
-
-
 def test_rank_local_keys_of_other_ranks_are_not_unexpected():
     sds = [{"w": torch.ones(2), f"rng.rank{r}": torch.tensor([r])} for r in range(2)]
     store, _ = save(sds, TP2, rank_local=["rng.*"])
@@ -592,101 +533,6 @@ def test_rank_local_keys_of_other_ranks_are_not_unexpected():
     assert torch.equal(one["rng.rank0"], torch.tensor([0])) and torch.equal(one["w"], torch.ones(2))
     with pytest.raises(LayoutMismatch, match="rng.rank1"):
         load([{"w": torch.zeros(2), "rng.rank0": torch.tensor([9])}], ParallelLayout(), store)
-
-
-def test_two_pipeline_stages_loading_one_layer_key_are_refused_even_without_strictness():
-    """A checkpoint saved with ``pp_layers`` (stage 1's ``layers.0`` stored as ``layers.2``) resumed at pp=2
-    with the partition forgotten: stage-local names are then read as global ones, so stage 1 asked for
-    ``layers.0``/``layers.1`` -- stage 0's layers. Strict, that failed on ``layers.2`` "loaded by no rank"
-    (not saying why); with ``allow_partial_load`` stage 1 silently got stage 0's weights. A stage's layers
-    are its own: two stages asking for one ``layers.<i>`` key of a checkpoint saved with a partition, under a
-    layout without one, is refused by name, strict or not."""
-    pp = ParallelLayout(pp=2, pp_layers=(2, 2))
-
-    def stage(rank: int, base: float) -> dict:
-        return {f"layers.{i}.w": torch.full((2,), base + 10 * rank + i) for i in range(2)} | {"emb": torch.ones(3)}
-
-    store, _ = save([stage(0, 0.0), stage(1, 0.0)], pp)
-    forgot = ParallelLayout(pp=2)
-    for partial in (False, True):
-        sds = [stage(0, -1.0), stage(1, -1.0)]
-        with pytest.raises(
-            LayoutMismatch, match=r"pipeline stages 0 and 1 both load 'layers\.0\.w'.*pp_layers=\(2, 2\)"
-        ):
-            load(sds, forgot, store, allow_partial_load=partial)
-        assert torch.equal(sds[1]["layers.0.w"], torch.full((2,), 9.0))  # refused before any data was read
-    # a name map replaces the renumbering: one that only strips a wrapper's prefix reads stage-local names too
-    wrapped = [{f"module.{k}": v for k, v in stage(r, -1.0).items()} for r in range(2)]
-    with pytest.raises(LayoutMismatch, match=r"stages 0 and 1 both load 'layers\.0\.w'.*its name_map maps them"):
-        load(wrapped, forgot, store, allow_partial_load=True, name_map=lambda k: k.removeprefix("module."))
-    assert torch.equal(wrapped[1]["module.layers.0.w"], torch.full((2,), 9.0))
-    # the partition given: every stage its own layers; a key outside `layers.<i>` both stages hold loads on both
-    sds = [stage(0, -1.0), stage(1, -1.0)]
-    load(sds, pp, store)
-    for rank in range(2):
-        for i in range(2):
-            assert torch.equal(sds[rank][f"layers.{i}.w"], torch.full((2,), 10.0 * rank + i))
-        assert torch.equal(sds[rank]["emb"], torch.ones(3))
-
-    # saved without a partition, two stages may hold one layer key as a replica (a layer tied across stages
-    # under its global name): the save accepted it, so the load does too
-    def tied(rank: int, base: float) -> dict:
-        return {"layers.0.w": torch.full((2,), base + 5.0), f"layers.{1 + rank}.w": torch.full((2,), base + rank)}
-
-    plain = ParallelLayout(pp=2)
-    store, _ = save([tied(0, 0.0), tied(1, 0.0)], plain)
-    sds = [tied(0, -9.0), tied(1, -9.0)]
-    load(sds, plain, store)
-    for rank in range(2):
-        assert torch.equal(sds[rank]["layers.0.w"], torch.full((2,), 5.0))
-        assert torch.equal(sds[rank][f"layers.{1 + rank}.w"], torch.full((2,), float(rank)))
-
-
-def test_a_partition_that_does_not_match_the_stages_layers_is_refused_on_load():
-    """Saved with ``pp_layers=(2, 2)``, resumed with ``(3, 2)`` into stages that hold two layers each: stage 1's
-    local ``layers.0`` was read as global layer 3 (stage 1's *second* layer) and its ``layers.1`` as a layer 4
-    the checkpoint lacks -- strict refused on layer 4, ``allow_partial_load`` silently gave stage 1 its
-    second layer's weights for its first. A stage whose state dict names no key of a layer its partition
-    gives it, while the checkpoint holds that layer, is refused by name. A layer without state (an
-    activation in a ``layers`` list) has no keys in the checkpoint either: saved and loaded as before."""
-    pp = ParallelLayout(pp=2, pp_layers=(2, 2))
-
-    def stage(rank: int, base: float) -> dict:
-        return {f"layers.{i}.w": torch.full((2,), base + 10 * rank + i) for i in range(2)} | {"emb": torch.ones(3)}
-
-    store, _ = save([stage(0, 0.0), stage(1, 0.0)], pp)
-    wrong = ParallelLayout(pp=2, pp_layers=(3, 2))
-    sds = [stage(0, -1.0), stage(1, -1.0)]
-    with pytest.raises(LayoutMismatch, match=r"stage 0 is given its local layer\(s\) \[2\] by pp_layers=\(3, 2\)"):
-        load(sds, wrong, store, allow_partial_load=True)
-    assert torch.equal(sds[1]["layers.0.w"], torch.full((2,), 9.0))  # nothing read
-    # a state dict without layer keys (a subset) is not checked; the right partition loads every stage
-    only_emb = [{"emb": torch.zeros(3)}, {"emb": torch.zeros(3)}]
-    load(only_emb, wrong, store, allow_partial_load=True)
-    assert torch.equal(only_emb[1]["emb"], torch.ones(3))
-    sds = [stage(0, -1.0), stage(1, -1.0)]
-    load(sds, pp, store)
-    assert all(torch.equal(sds[r][f"layers.{i}.w"], torch.full((2,), 10.0 * r + i)) for r in range(2) for i in range(2))
-
-    # evidence only from the kinds of keys a rank loads: optimizer state alone, layer 1 frozen (no
-    # optimizer key of it), is not refused for the checkpoint's model keys of layer 1
-    def trained(rank: int) -> dict:
-        return {"model": stage(rank, 0.0), "optim": {"layers.0.w": torch.full((2,), 50.0 + rank)}}
-
-    store, _ = save([trained(0), trained(1)], pp)
-    optim_only = [{"optim": {"layers.0.w": torch.zeros(2)}} for _ in range(2)]
-    load(optim_only, pp, store, allow_partial_load=True)
-    assert all(torch.equal(optim_only[r]["optim"]["layers.0.w"], torch.full((2,), 50.0 + r)) for r in range(2))
-
-    # layers 1 and 3 of each stage hold no state (an activation, a dropout): saved and loaded, bit-exact
-    def sparse(rank: int, base: float) -> dict:
-        return {f"layers.{i}.w": torch.full((2,), base + 10 * rank + i) for i in (0, 2)}
-
-    four = ParallelLayout(pp=2, pp_layers=(4, 4))
-    store, _ = save([sparse(0, 0.0), sparse(1, 0.0)], four)
-    sds = [sparse(0, -1.0), sparse(1, -1.0)]
-    load(sds, four, store)
-    assert all(torch.equal(sds[r][f"layers.{i}.w"], torch.full((2,), 10.0 * r + i)) for r in range(2) for i in (0, 2))
 
 
 def test_likely_causes_fire_only_on_their_own_patterns() -> None:
@@ -698,206 +544,3 @@ def test_likely_causes_fire_only_on_their_own_patterns() -> None:
     assert "LR scheduler" in likely_causes(["optim.param_groups.weight.initial_lr"], [])
     assert likely_causes(["optim.param_groups.0.lr"], ["optim.param_groups.0.lr"]) == ""
     assert "unflattened" in likely_causes([], ["optim.param_groups.0.params", "optim.param_groups.0.lr"])
-
-
-def _quantized() -> dict[str, torch.Tensor]:
-    values = torch.tensor([[1.0, 2.0, -3.0, 0.5], [0.25, -1.0, 0.0, 4.0]])
-    scales, zero_points = torch.tensor([0.5, 0.25]), torch.zeros(2, dtype=torch.long)
-    return {
-        "per_tensor": torch.quantize_per_tensor(values, 0.5, 3, torch.qint8),
-        "per_channel": torch.quantize_per_channel(values, scales, zero_points, 0, torch.quint8),
-        "packed": torch.quantize_per_tensor(values, 0.5, 1, torch.quint4x2),
-    }
-
-
-_QUANTIZED = r"{}: a quantized tensor \({}, {}, shape \(2, 4\)\) cannot be saved or loaded: its scale and zero-point"
-
-
-@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
-@pytest.mark.parametrize("key", ["per_tensor", "per_channel", "packed"])
-def test_quantized_tensors_are_refused_naming_the_key(tmp_path, key):
-    """hunt69a F1: only a quantized tensor's integers were saved, and a load copied them into the destination's
-    own scale and zero-point (saved [1, 2, -3, 0.5] loaded as [1.4, 3.4, -6.6, 0.4]): refused by name, at the
-    save, at the load (a quantized destination), and by our writer under DCP's own planner, as sparse ones are."""
-    q = _quantized()[key]
-    said = _QUANTIZED.format(key, re.escape(str(q.dtype)), q.qscheme())
-    with pytest.raises(SpecError, match=said + r".*\.dequantize\(\)"):
-        save([{key: q, "b": torch.ones(4)}], ParallelLayout())
-    store, _ = save([{key: q.dequantize()}], ParallelLayout())
-    with pytest.raises(SpecError, match=said):
-        load([{key: _quantized()[key]}], ParallelLayout(), store)
-
-    from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
-
-    with pytest.raises(BaseException, match=said) as info:
-        dcp.save({key: q}, storage_writer=FsspecStorageWriter(tmp_path), no_dist=True)
-    assert "SpecError" in str(info.value)
-    with pytest.raises(CheckpointNotFound):  # nothing committed
-        FsspecStorageReader(tmp_path).read_metadata()
-    # our reader under DCP's own load planner (which checks no destination)
-    dcp.save({key: q.dequantize()}, storage_writer=FsspecStorageWriter(tmp_path / "f"), no_dist=True)
-    with pytest.raises(BaseException, match=said) as info:
-        dcp.load({key: _quantized()[key]}, storage_reader=FsspecStorageReader(tmp_path / "f"), no_dist=True)
-    assert "SpecError" in str(info.value)
-
-
-@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
-@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
-@pytest.mark.parametrize("how", [{"allow_partial_load": True}, {"optional": ["extra.*"]}])
-def test_a_destination_not_plain_the_checkpoint_lacks_is_missing_not_refused(how):
-    """rev69f F3: a quantized or nested destination key the checkpoint does not hold is never read: a partial
-    load (optional= too) skipped it before the not-plain refusal, then refused it; one it holds stays refused."""
-    store, _ = save([{"w": torch.arange(4.0)}], ParallelLayout())
-    quantized = torch.quantize_per_tensor(torch.ones(4), 0.5, 0, torch.qint8)
-    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
-    state = {"w": torch.zeros(4), "extra": {"q": quantized, "n": nested}}
-    planner = load([state], ParallelLayout(), store, **how)[0]
-    assert torch.equal(state["w"], torch.arange(4.0)) and torch.equal(
-        state["extra"]["q"].int_repr(), torch.full((4,), 2, dtype=torch.int8)
-    )
-    assert planner.report is not None
-    assert set(planner.report.missing_keys + planner.report.skipped_optional) == {"extra.q", "extra.n"}
-    with pytest.raises(SpecError, match=r"w: a quantized tensor"):
-        load([{"w": quantized}], ParallelLayout(), store, allow_partial_load=True)
-
-
-def test_a_quantized_tensor_without_a_quantizer_is_refused_by_name():
-    """rev69f F6: ``torch.empty(3, dtype=torch.qint8)`` has no quantizer: the refusal's ``qscheme()`` raised
-    torch's internal assert instead of it."""
-    with pytest.raises(SpecError, match=r"q: a quantized tensor \(torch\.qint8, shape \(3,\)\) cannot be saved"):
-        save([{"q": torch.empty(3, dtype=torch.qint8)}], ParallelLayout())
-
-
-@pytest.mark.filterwarnings("ignore:torch.quantize_per_channel")
-def test_a_quantized_model_is_refused_by_key_and_its_state_in_user_content_resumes_exactly(tmp_path):
-    """A converted quantized Conv2d (per-channel qint8 weight) resumed into a fresh one had other weights and
-    outputs, silently; refused naming the key, and its state_dict() in user_content comes back exact."""
-    import torch.ao.nn.quantized as nnq
-
-    import smpckpt
-
-    torch.manual_seed(0)
-    src = nnq.Conv2d(2, 3, 3)
-    scales, zero_points = torch.tensor([0.01, 0.02, 0.03]), torch.zeros(3, dtype=torch.long)
-    src.set_weight_bias(torch.quantize_per_channel(torch.randn(3, 2, 3, 3), scales, zero_points, 0, torch.qint8), None)
-    options = smpckpt.SaveOptions(save_rng=False)
-    with pytest.raises(SpecError, match=r"model\.weight: a quantized tensor \(torch\.qint8, torch\.per_channel_affine"):
-        smpckpt.save_checkpoint(str(tmp_path), "t", model=src, options=options)
-    smpckpt.save_checkpoint(str(tmp_path), "u", user_content={"conv": src.state_dict()}, options=options)
-    dst = nnq.Conv2d(2, 3, 3)
-    dst.load_state_dict(smpckpt.resume_from_checkpoint(str(tmp_path), "u")["conv"])
-    assert torch.equal(dst.weight().int_repr(), src.weight().int_repr())
-    assert torch.equal(dst.weight().q_per_channel_scales(), scales)
-
-
-@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
-@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
-def test_nested_tensors_are_refused_naming_the_key(layout):
-    """hunt69a F5: a (strided) nested tensor failed in torch's words, naming no key."""
-    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
-    said = rf"n: a nested tensor \({layout}\) cannot be saved or loaded.*\.unbind\(\)"
-    with pytest.raises(SpecError, match=said):
-        save([{"n": nested, "b": torch.ones(4)}], ParallelLayout())
-    store, _ = save([{"n": torch.ones(5)}], ParallelLayout())
-    with pytest.raises(SpecError, match=said):
-        load([{"n": nested}], ParallelLayout(), store)
-
-
-@pytest.mark.parametrize("how", ["ours", "full", "full under DCP's planner"])
-def test_a_meta_tensor_reaching_a_writer_is_refused_naming_the_key(tmp_path, how):
-    """Planners plan meta tensors (the planning benchmarks do); a writer given one failed in torch's words
-    ("Cannot copy out of meta tensor"), naming no key (hunt69a F5)."""
-    from smpckpt.storage import FsspecStorageWriter, FullArtifactWriter, FullOptions
-
-    state = {"ok": torch.ones(2), "m": torch.empty(3, 2, device="meta")}
-    if how == "ours":
-        writer = FsspecStorageWriter(tmp_path)
-    else:
-        writer = FullArtifactWriter(str(tmp_path / "f"), full=FullOptions(format="torch_save"))
-    planner = ParallelSavePlanner(ParallelLayout()) if how != "full under DCP's planner" else None
-    with pytest.raises(BaseException, match=r"m: a meta tensor \(shape \(3, 2\), torch\.float32\) has no data") as info:
-        dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
-    assert "SpecError" in str(info.value)
-
-
-@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
-def test_a_checkpoint_saved_with_quantized_tensors_still_loads_their_integers():
-    """rev69f F2: tests/data/quantized_v0 (smpckpt 55b1992 stored a quantized tensor's integers under its
-    quantized dtype) became unreadable once quantized tensors were refused: a destination of the matching
-    integer dtype reads them bit-exact; a quantized or float destination is refused saying how."""
-    import pathlib
-
-    from smpckpt.storage import FsspecStorageReader
-
-    folder = str(pathlib.Path(__file__).parent / "data" / "quantized_v0" / "t_partial")
-    # make_quantized_conj_v0.py's buffers' int_repr()
-    want = {"model.q8": [-3, 4, 7, 18], "model.qu8": [28, 42, 48, 70], "model.q32": [-13, -6, -3, 8]}
-    state = {
-        "model.q8": torch.zeros(4, dtype=torch.int8),
-        "model.qu8": torch.zeros(4, dtype=torch.uint8),
-        "model.q32": torch.zeros(4, dtype=torch.int32),
-    }
-    planner = ParallelLoadPlanner(ParallelLayout(), allow_partial_load=True)
-    dcp.load(state, storage_reader=FsspecStorageReader(folder), planner=planner, no_dist=True)
-    for key, value in state.items():
-        assert torch.equal(value, torch.tensor(want[key], dtype=value.dtype)), key
-    said = r"model\.q8: the checkpoint holds a quantized tensor's integers \(torch\.qint8.*into a torch\.int8 tensor"
-    for dest in (torch.zeros(4), torch.quantize_per_tensor(torch.zeros(4), 0.5, 3, torch.qint8)):
-        planner = ParallelLoadPlanner(ParallelLayout(), allow_partial_load=True, allow_dtype_cast=True)
-        with pytest.raises(BaseException, match=said):
-            dcp.load({"model.q8": dest}, storage_reader=FsspecStorageReader(folder), planner=planner, no_dist=True)
-
-
-@pytest.mark.parametrize(
-    "planner, kw",
-    [
-        (ParallelLoadPlanner, {"allow_partial_load": "False"}),
-        (ParallelLoadPlanner, {"allow_dtype_cast": "no"}),
-        (ParallelLoadPlanner, {"allow_pickle": 0}),
-        (ParallelLoadPlanner, {"optional": "rng.*"}),
-        (ParallelLoadPlanner, {"optional": ["rng.*", 3]}),
-        (ParallelLoadPlanner, {"keep_tied": "model.lm_head.weight"}),
-        (ParallelSavePlanner, {"dedup_tied": "False"}),
-        (ParallelSavePlanner, {"verify_replicas": None}),
-        (ParallelSavePlanner, {"enable_plan_caching": "off"}),
-        (ParallelSavePlanner, {"rank": True}),
-        (ParallelLoadPlanner, {"rank": 1.0}),
-    ],
-)
-def test_a_planner_option_that_could_mean_two_things_is_refused_by_name(planner, kw):
-    # hunt73c F1/F2 (older): a truthy string took the unsafe reading silently -- allow_partial_load="False" made
-    # every key optional, and one string of optional= globs was a glob per character, its '*' matching every key
-    with pytest.raises(TypeError, match=next(iter(kw))):
-        planner(ParallelLayout(), **kw)
-
-
-def test_a_strict_load_given_the_string_false_does_not_skip_a_missing_key():
-    # before: both loads passed, 'b' (absent from the checkpoint) silently left at its old value
-    store, _ = save([{"w": torch.ones(2)}], ParallelLayout())
-    for kw in ({"allow_partial_load": "False"}, {"optional": "rng.*"}):  # meant: strict, rng.* alone optional
-        with pytest.raises(TypeError, match=next(iter(kw))):
-            load([{"w": torch.zeros(2), "b": torch.zeros(1)}], ParallelLayout(), store, **kw)
-    dest = {"w": torch.zeros(2), "rng.x": torch.zeros(1)}
-    load([dest], ParallelLayout(), store, optional=["rng.*"])
-    assert torch.equal(dest["w"], torch.ones(2)) and torch.equal(dest["rng.x"], torch.zeros(1))
-    with pytest.raises(LayoutMismatch, match="not in the checkpoint: b "):
-        load([{"w": torch.zeros(2), "b": torch.zeros(1)}], ParallelLayout(), store, optional=("rng.*",))
-
-
-def test_planners_given_ranks_other_than_their_place_in_the_world_are_refused():
-    # hunt73c F5 (older, HIGH where it bites): DCP gathers plans in the process group's order; a planner given
-    # another rank= (a rank formula of the user's own, LOCAL_RANK) wrote rank 0's rows at rank 1's offsets and a
-    # load read rank 1's rows into rank 0: silently, pieces swapped
-    specs = {"w": ShardSpec(0)}
-    sds = [tp_state(r) for r in range(2)]
-    with pytest.raises(SpecError, match=r"rank 1 .* place 0"):
-        sim_save(
-            sds, [ParallelSavePlanner(TP2, specs, rank=1 - r) for r in range(2)], [MemoryWriter(MemoryStore())] * 2
-        )
-    store, _ = save(sds, TP2, specs)
-    dests = [tp_state(r, blank=True) for r in range(2)]
-    with pytest.raises(SpecError, match=r"rank 1 .* place 0"):
-        sim_load(dests, [ParallelLoadPlanner(TP2, specs, rank=1 - r) for r in range(2)], [MemoryReader(store)] * 2)
-    one = tp_state(1, blank=True)  # one process planning rank 1's piece alone (offline) stays allowed
-    sim_load([one], [ParallelLoadPlanner(TP2, specs, rank=1)], [MemoryReader(store)])
-    assert torch.equal(one["w"], FULL.chunk(2)[1])

@@ -388,7 +388,7 @@ def test_replicated_complex32_is_checked_and_undigestable_dtypes_are_refused_by_
         _save(tmp_path / f"z{n}", [{"model": {"q": a}}, {"model": {"q": b}}], ParallelLayout(dp=2))
         neg[-1] = 0x13
         assert value_digests([a]) != value_digests([b]), n
-    # a quantized one is refused before the check (its scale would not be saved: tests/test_planner_checks.py)
+    # a quantized one is refused before the check (its scale would not be saved: tests/test_planner_inputs.py)
     q = torch.quantize_per_tensor(torch.randn(40, 40), 0.1, 0, torch.quint8)
     with pytest.raises(SpecError, match=r"model\.q: a quantized tensor \(torch\.quint8"):
         _save(tmp_path / "q", [{"model": {"q": q.clone(), "w": torch.ones(3)}} for _ in range(2)], ParallelLayout(dp=2))

@@ -75,6 +75,7 @@ from smpckpt.model.layout import API_RECORD, FULL_API_RECORD, RESERVED
 from smpckpt.planners import ParallelSavePlanner
 from smpckpt.planners._replica_values import KEYS_WAY, RANK_WAY, replica_differences
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter, probe_checkpoint
+from smpckpt.storage.format.manifest import probe
 from smpckpt.storage.write._base import FsspecWriterBase
 from smpckpt.storage.write.writer import Workers
 
@@ -139,9 +140,37 @@ def _stamp(
     # Checkpointer._save, all_ok (and its lambda), build_save_state (or save_full's build), this function
     payload, safe = encode_user_content(user_content, stacklevel=7)
     state[RESERVED.user_content] = payload  # an ObjectBuffer: written as torch.save left it, not copied
+    if not counter.drawn and not counter.offline:  # (the job's first save into the root, or an export: one probe)
+        refuse_checkpoint_root(counter.root, counter.storage_options)
     # a save into the root (not an export) is refused while another job saves there (catalog.root)
     seq = counter.next(job_token(), guard=record)
     return manifest_extra(api, tag, seq, user_content, not safe, **fields, **(counter.record(tag) if record else {}))
+
+
+def refuse_checkpoint_root(root: str, storage_options: Any) -> None:
+    """(rank 0) Refuse a ``root`` that is itself a checkpoint folder (a committed one of ours, or stock DCP's):
+    a save there made a root inside it (hunt73c F7), whose saves a resume of the real root never sees and which
+    that root's retention removes along with the folder. Two reads, no listing; unreadable: not known to be one
+    (the save's own listing reports it)."""
+    try:
+        found = probe(*open_root(root, storage_options), list_when_empty=False)
+    except (OSError, CheckpointError):
+        return
+    if found.state not in ("committed", "legacy"):
+        return
+    root = root.rstrip("/")
+    parent, _, name = root.rpartition("/")
+    if found.manifest is not None and found.manifest.kind == "partial" and name.endswith(PARTIAL_SUFFIX) and parent:
+        raise CheckpointError(
+            f"{root} is itself a committed checkpoint (tag {name[: -len(PARTIAL_SUFFIX)]!r}) of the root {parent}: "
+            f"a save there would make a root inside it, which a resume of {parent} never sees and whose retention "
+            f"removes it with that checkpoint; nothing written: save to {parent!r}"
+        )
+    kind = found.manifest.kind if found.manifest is not None else found.state
+    raise CheckpointError(
+        f"{root} is itself a checkpoint folder ({kind}): a save there would make a root inside a checkpoint; "
+        "nothing written: save to a root of its own (a folder of tags, not one checkpoint)"
+    )
 
 
 def job_token() -> str:

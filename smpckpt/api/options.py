@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.distributed.tensor import DTensor
 
-from smpckpt._checks import check_flag, check_int, check_process_group
+from smpckpt._checks import check_flag, check_globs, check_int, check_process_group
 from smpckpt.catalog.root import validate_keep
 from smpckpt.errors import LayoutMismatch, SpecError
 from smpckpt.model.layout import FULL_ARTIFACTS, RESERVED, NameMap, ParallelLayout
@@ -152,9 +152,8 @@ class Sharding(_Options):
             isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < math.inf
         ):
             raise ValueError(f"join_timeout must be a positive number of seconds or None, got {wait!r}")
-        if isinstance(self.held_by_some, (str, bytes)):  # tuple("experts.*") would be one glob a character
-            raise TypeError(f"held_by_some must be a list of globs, not a single string: [{self.held_by_some!r}]?")
-        object.__setattr__(self, "held_by_some", tuple(self.held_by_some))
+        # a lone string (tuple("experts.*") is one glob a character) or a non-string item is refused by name
+        object.__setattr__(self, "held_by_some", check_globs("held_by_some", self.held_by_some))
         object.__setattr__(self, "rules", spec_rules(self.specs))
         if isinstance(self.specs, Mapping):
             # a copy: the rules were derived once, so a later change to the caller's dict must not show in

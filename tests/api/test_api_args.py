@@ -247,6 +247,44 @@ def test_a_checkpoint_folder_given_as_the_root_is_named_in_the_error(tmp_path: A
     )
 
 
+def test_a_save_into_a_checkpoint_folder_given_as_the_root_is_refused_by_name(tmp_path: Any) -> None:
+    # hunt73c F7 (older, LOW-MEDIUM): save_checkpoint(<root>/t_partial, "u") made a root inside the checkpoint
+    # folder (u_partial and newest nested in t_partial): a resume of the real root never saw u, and its retention
+    # removing t_partial took u along. Refused before anything is written, naming the root to save to
+    from smpckpt import Checkpointer, CheckpointError
+
+    save_checkpoint(str(tmp_path), "t", model=_model())
+    folder = tmp_path / "t_partial"
+    before = sorted(os.listdir(folder))
+    for call in (
+        lambda: save_checkpoint(str(folder), "u", model=_model()),
+        lambda: save_checkpoint(str(folder) + "/", "u", model=_model(), partial=False),  # an export nests alike
+        lambda: Checkpointer(str(folder)).save("u", model=_model()),
+    ):
+        with pytest.raises(
+            CheckpointError, match=rf"{folder} is itself a committed checkpoint \(tag 't'\) of the root {tmp_path}: "
+        ) as info:
+            call()
+        assert f"save to {str(tmp_path)!r}" in str(info.value)
+        assert sorted(os.listdir(folder)) == before
+    assert sorted(os.listdir(tmp_path)) == ["newest", "t_partial"]
+    # a stock DCP checkpoint folder as the root: refused alike (no root of ours)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": _model().state_dict()}, checkpoint_id=str(tmp_path / "stock"))
+    with pytest.raises(CheckpointError, match=r"stock is itself a checkpoint folder \(legacy\)"):
+        save_checkpoint(str(tmp_path / "stock"), "u", model=_model())
+    # the real root, an empty folder and a new one save as before
+    for root in (tmp_path, tmp_path / "empty", tmp_path / "new"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        save_checkpoint(str(root), "u", model=_model())
+        back = _model()
+        with torch.no_grad():
+            back.weight.zero_()
+        resume_from_checkpoint(str(root), "u", model=back)
+        assert torch.equal(back.weight, _model().weight)
+
+
 def test_an_io_error_outside_dcp_is_a_checkpoint_error_naming_the_object(tmp_path: Any, monkeypatch: Any) -> None:
     """Listing tags or reading newest can fail mid-resume (an S3 endpoint dying): the caller gets our
     CheckpointError naming the object, with the OSError as its cause (issue 33 item 10)."""

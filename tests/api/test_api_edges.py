@@ -525,3 +525,16 @@ def test_a_join_timeout_that_is_no_positive_number_of_seconds_is_refused_when_bu
         Sharding(join_timeout=bad)
     assert Sharding(join_timeout=None).join_timeout is None and Sharding(join_timeout=0.5).join_timeout == 0.5
     assert Sharding().join_timeout is None
+
+
+def test_held_by_some_holding_a_non_string_is_refused_by_name_when_built() -> None:
+    # rev73d 2: Sharding(held_by_some=[1]) was built, and the save failed later with "spec rule keys are glob
+    # strings, got int 1", naming no option
+    from smpckpt import Sharding
+
+    for bad in ([1], ("experts.*", None), 3):
+        with pytest.raises(TypeError, match=re.escape(f"held_by_some must be a list of key globs (str), got {bad!r}")):
+            Sharding(held_by_some=bad)
+    with pytest.raises(TypeError, match=r"held_by_some must be a list of globs, not a single string"):
+        Sharding(held_by_some="experts.*")
+    assert Sharding(held_by_some=["experts.*"]).held_by_some == ("experts.*",)

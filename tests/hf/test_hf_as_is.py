@@ -380,10 +380,14 @@ def test_a_stage_holding_a_head_its_own_translation_renames_loads_from_an_artifa
         assert all(not v.any() for v in dst.state_dict().values())
 
 
-def _headless_gpt2(root: Path, **overrides: Any) -> tuple[str, dict[str, torch.Tensor]]:
-    """nanoGPT in GPT-2's Hugging Face names (a tiny GPT-2) saved full without its head: (its url, its tensors)."""
+def _headless_gpt2(
+    root: Path, head: torch.Tensor | None = None, **overrides: Any
+) -> tuple[str, dict[str, torch.Tensor]]:
+    """nanoGPT in GPT-2's Hugging Face names (a tiny GPT-2) saved full without its head (or with ``head`` as
+    ``head.weight``): (its url, its tensors)."""
     hf = tiny_model("gpt2", seed=7, dtype=torch.float32, **overrides).state_dict()
     sd = {k: v for k, v in hf.items() if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
+    sd |= {} if head is None else {"head.weight": head}
     smpckpt.save_checkpoint(str(root), "full", partial=False, model=Holder({k: v.clone() for k, v in sd.items()}))
     return str(root / "full"), sd
 
@@ -624,3 +628,46 @@ def test_gpt_neo_in_our_names_read_with_gpt2s_translation_is_refused_naming_gpt_
         url, None, partial=False, model=dst, translate_function=smpckpt.hf.translation_for("gpt_neo")
     )
     assert [k for k, v in ours.items() if not torch.equal(dst.state_dict()[k], v)] == []
+
+
+def test_a_head_its_own_translation_renames_saved_in_the_artifact_leaves_the_layers_judged(tmp_path: Path) -> None:
+    """rev73c 1, older and silent: GPT-2's names saved WITH the head its own translation renames (head.w <-
+    head.weight), read into a model of one's own in GPT-Neo's Hugging Face names (a square mlp): the rename took a key,
+    so the artifact counted as translated and nothing judged the layers, read as they are; strict=False loaded GPT-2's
+    Conv1D mlp.c_fc/c_proj [in, out] into GPT-Neo's Linear [out, in], transposed. A rename outside layers no longer
+    makes the artifact another family's: refused naming GPT-2 and the missing keys, strict or not, whole model or a
+    PP job, nothing loaded. The own family's loads are not refused: whole model (strict or not), a stage with a new
+    key and a PP job with it (strict=False, judged over the job's keys) load bit-exact, the head read renamed."""
+    from smpckpt.model.translation import Translation, rename
+
+    url, sd = _headless_gpt2(tmp_path, n_inner=32, head=torch.arange(12.0).reshape(3, 4))
+    mine = Translation("mine", rules=(rename("head.w", "head.weight"),))
+    ours = {("head.w" if k == "head.weight" else k): v for k, v in sd.items()}
+    for strict in (True, False):
+        dst = Holder({k: torch.zeros_like(v) for k, v in ours.items()})
+        smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, strict=strict, translate_function=mine)
+        assert [k for k, v in dst.state_dict().items() if not torch.equal(v, ours[k])] == []
+    dst = Holder(_stage_of(ours))  # layer 0, wte/wpe and the head; a new score.weight
+    smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, strict=False, translate_function=mine)
+    got = dst.state_dict()
+    assert [k for k in got if k != "score.weight" and not torch.equal(got[k], ours[k])] == [] and "head.w" in got
+    cut = [{k: torch.zeros_like(v) for k, v in ours.items() if re.search(r"wte|wpe|h\.0\.", k)}]
+    cut += [{k: torch.zeros_like(v) for k, v in ours.items() if re.search(r"h\.1\.|ln_f|head", k)}]
+    cut[1]["score.weight"] = torch.zeros(3)
+    got = _pp_load(url, cut, mine)
+    assert [k for s in got for k, v in s.items() if k != "model.score.weight" and not torch.equal(v, ours[k[6:]])] == []
+    outer = {k: torch.zeros_like(v) for k, v in sd.items() if re.search(r"wte|wpe|ln_f", k)}
+    neo = outer | _neo_layer(sd, 0) | _neo_layer(sd, 1) | {"head.w": torch.zeros(3, 4)}
+    want = r"translation 'mine' \(it takes none of its 29 model keys but 1 it renames outside layers\): they are "
+    want += r"gpt2's Hugging Face names \('transformer\.h\.0\.attn\.c_attn\.weight'\): resume with that "
+    want += r"family's, smpckpt\.hf\.translation_for\('gpt2'\), into a model of that family; 10 of our model keys are "
+    want += r"not in it: model\.transformer\.h\.0\.attn\.attention\.q_proj\.weight,"
+    for strict in (False, True):
+        dst = Holder({k: v.clone() for k, v in neo.items()})
+        with pytest.raises(smpckpt.errors.LayoutMismatch, match=want):
+            smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, strict=strict, translate_function=mine)
+        assert all(not v.any() for v in dst.state_dict().values())
+    stages = [outer | _neo_layer(sd, 0), _neo_layer(sd, 1) | {"head.w": torch.zeros(3, 4)}]
+    with pytest.raises(smpckpt.errors.LayoutMismatch, match=want.replace("10 of", r"\d+ of")):
+        _pp_load(url, stages, mine)
+    assert all(not v.any() for stage in stages for v in stage.values())

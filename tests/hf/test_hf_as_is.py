@@ -381,13 +381,13 @@ def test_a_stage_holding_a_head_its_own_translation_renames_loads_from_an_artifa
 
 
 def _headless_gpt2(
-    root: Path, head: torch.Tensor | None = None, **overrides: Any
+    root: Path, head: torch.Tensor | None = None, extra: dict[str, torch.Tensor] | None = None, **overrides: Any
 ) -> tuple[str, dict[str, torch.Tensor]]:
     """nanoGPT in GPT-2's Hugging Face names (a tiny GPT-2) saved full without its head (or with ``head`` as
-    ``head.weight``): (its url, its tensors)."""
+    ``head.weight``; ``extra`` tensors beside it): (its url, its tensors)."""
     hf = tiny_model("gpt2", seed=7, dtype=torch.float32, **overrides).state_dict()
     sd = {k: v for k, v in hf.items() if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
-    sd |= {} if head is None else {"head.weight": head}
+    sd |= ({} if head is None else {"head.weight": head}) | (extra or {})
     smpckpt.save_checkpoint(str(root), "full", partial=False, model=Holder({k: v.clone() for k, v in sd.items()}))
     return str(root / "full"), sd
 
@@ -671,3 +671,26 @@ def test_a_head_its_own_translation_renames_saved_in_the_artifact_leaves_the_lay
     with pytest.raises(smpckpt.errors.LayoutMismatch, match=want.replace("10 of", r"\d+ of")):
         _pp_load(url, stages, mine)
     assert all(not v.any() for stage in stages for v in stage.values())
+
+
+def test_a_layerless_stage_finding_another_familys_names_is_not_waived(tmp_path: Path) -> None:
+    """rev73c 2: the layerless waiver (a stage of ln_f and a head whose one missing key is the head its own translation
+    renames, the artifact saved without it) holds only where the stage finds no family's key. An artifact of GPT-2's
+    Hugging Face names beside a BERT encoder layer in BERT's, read by a stage holding that layer (found as it is) and
+    the head: the layer is BERT's names, not GPT-2's (named by the keys the stage does not ask for), so no waiver:
+    refused naming GPT-2, strict or not, nothing loaded (waived, it loaded BERT's layer as it is)."""
+    from smpckpt.model.translation import Translation, rename
+
+    bert = {k: v for k, v in tiny_model("bert", seed=7, dtype=torch.float32).state_dict().items() if ".layer.0." in k}
+    url, sd = _headless_gpt2(tmp_path, extra=bert)
+    mine = Translation("mine", rules=(rename("head.w", "head.weight"),))
+    for strict in (False, True):
+        dst = Holder({**{k: torch.zeros_like(v) for k, v in bert.items()}, "head.w": torch.zeros(3, 4)})
+        with pytest.raises(
+            smpckpt.errors.LayoutMismatch,
+            match=r"they are gpt2's Hugging Face names \('transformer\.h\.0\.attn\.c_attn\.weight'\): resume with that "
+            r"family's, smpckpt\.hf\.translation_for\('gpt2'\), into a model of that family; 1 of our model keys are "
+            r"not in it: model\.head\.w$",
+        ):
+            smpckpt.resume_from_checkpoint(url, None, partial=False, model=dst, strict=strict, translate_function=mine)
+        assert all(not v.any() for v in dst.state_dict().values())

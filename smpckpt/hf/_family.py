@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from smpckpt.errors import LayoutMismatch, SpecError
 from smpckpt.hf import bert, gpt2, gptj, gptneo, llama, mistral, qwen2, roberta
-from smpckpt.model.translation import Leaf, Translation, check_translates
+from smpckpt.model.translation import Leaf, Translation, check_translates, expr_keys
 
 __all__ = ["TRANSLATIONS", "translation_for", "check_translation", "check_config", "as_is_judge"]
 
@@ -102,19 +102,42 @@ def check_translation(translation: Translation, shapes: Mapping[str, Sequence[in
         )
 
 
-def as_is_judge(translation: Translation, shapes: Mapping[str, Any], url: str, prefix: str) -> Judge | None:
-    """(a full reader) ``None`` when the rules of ``translation`` take some of an untranslated artifact's model
-    tensors ``shapes`` (read through them); else (read as they are: ours, saved from our model; another family's;
-    no family's) the judge of the model keys under ``prefix`` a load misses, :func:`_judge`."""
+def as_is_judge(
+    translation: Translation, shapes: Mapping[str, Any], url: str, prefix: str
+) -> tuple[Judge | None, frozenset[str]]:
+    """(a full reader) Of an untranslated artifact's model tensors ``shapes`` read through ``translation``: the
+    judge of the model keys under ``prefix`` a load misses (:func:`_judge`), and our keys its rules make. No judge
+    when a rule takes a key inside a layer (read through the rules: the import check judges the family) or does
+    not fit. Rules taking keys outside layers only (a head one's own translation renames) leave the layers read as
+    they are (ours, saved from our model; another family's; no family's), so they are judged as if no rule took a
+    key (rev73c 1: a rename of ``head.weight`` hid GPT-2's names in layers read into GPT-Neo's, transposed)."""
     try:
-        taken = any(expr != Leaf(k) for k, (expr, _) in translation.from_artifact(shapes).items())
+        made = {k: expr for k, (expr, _) in translation.from_artifact(shapes).items() if expr != Leaf(k)}
     except ValueError:
-        taken = True  # in part: the import check names what does not fit
-    return None if taken else functools.partial(_judge, translation, url, prefix)
+        return None, frozenset()  # in part: the import check names what does not fit
+    if any(_layer(k) is not None or any(_layer(s) is not None for s in expr_keys(e)) for k, e in made.items()):
+        return None, frozenset(made)
+    return functools.partial(_judge, translation, url, prefix, frozenset(made)), frozenset(made)
+
+
+def _holds_made(translation: Translation, shapes: Mapping[str, Any], renamed: frozenset[str]) -> bool:
+    """Whether ``shapes`` hold a key, not ``renamed``, that a rule of ``translation`` makes on our side (read as
+    ours). Asked of the keys ending with a rule's literal tail alone (``rule_of`` per key is the cost at 300k keys),
+    which, with no key renamed, answers as ``rule_of`` over every key: one taken whole ends with its rule's tail,
+    and one taken as a parameter's state (``...qkv_proj.weight.exp_avg``, ending with none) only beside that
+    parameter, of its shape, which does (rev73c 5; tests/hf/test_hf_as_is.py checks it over state suffixes)."""
+    tails = tuple({r.ours.rpartition("}")[2] for r in translation.rules})
+    return any(translation.rule_of(k, shapes, "ours") for k in shapes if k.endswith(tails) and k not in renamed)
 
 
 def _judge(
-    translation: Translation, url: str, prefix: str, missing: Sequence[str], saved: Mapping[str, Any], asked: Any
+    translation: Translation,
+    url: str,
+    prefix: str,
+    renamed: frozenset[str],
+    missing: Sequence[str],
+    saved: Mapping[str, Any],
+    asked: Any,
 ) -> str:
     """(error path) Refuse model keys ``missing`` from the artifact (``saved``: its metadata) that this rank loads
     (``asked``), naming the family whose names the artifact's are, when one is a key a rule of the translation makes
@@ -129,7 +152,8 @@ def _judge(
     of the artifact lies in the layer (outside layers, the module; a dotless key, itself) of a renamed key, of its
     sources or of a missing key another family's rules take (GPT-Neo's q_proj beside GPT-2's shared mlp.c_fc). With
     no key a rule makes, the same judgement when the missing keys are other families' names and none of those
-    families is the one named (a middle stage in GPT-Neo's names reading GPT-2's: fix73c)."""
+    families is the one named (a middle stage in GPT-Neo's names reading GPT-2's: fix73c). ``renamed``: our keys
+    its rules made of keys outside layers (``saved`` holds them renamed), not the artifact's own names."""
     ours = [k for k in missing if k.startswith(prefix)]
     made = {k: r for k in (k[len(prefix) :] for k in ours) if (r := translation.rule_of(k, {k: ()}, "ours"))}
     sides = ("artifact", "ours")
@@ -141,9 +165,7 @@ def _judge(
     sizes = ((k[len(prefix) :], md) for k, md in saved.items() if k.startswith(prefix))
     shapes = {k: tuple(md.size) for k, md in sizes if isinstance(md, TensorStorageMetadata)}
     unasked = [k for k in shapes if prefix + k not in asked]
-    # a key its rules make ends with a rule's literal tail (one taken as a parameter's state: its parameter does)
-    tails = tuple({r.ours.rpartition("}")[2] for r in translation.rules})
-    if not unasked or any(translation.rule_of(k, shapes, "ours") for k in shapes if k.endswith(tails)):
+    if not unasked or _holds_made(translation, shapes, renamed):
         return ""
     hits = _others(translation, unasked, ("artifact", "ours"))
     score = {n: (sum(f for f, _, _ in h), len(h)) for n, h in hits.items()}
@@ -169,7 +191,7 @@ def _judge(
     if kept and alike and not any(k.startswith(places) for k in shapes):
         return ""
     head = f"{url}: the artifact's names do not match translation {translation.name!r} (it takes none of its"
-    head += f" {len(shapes)} model keys"
+    head += f" {len(shapes)} model keys" + (f" but {len(renamed)} it renames outside layers" if renamed else "")
     if not named:
         why = "nor are they any family's of smpckpt.hf: resume without translate_function into a model in its names"
         return f". {head}, {next(iter(shapes))!r}, ..., as Hugging Face names or ours); {why}"

@@ -396,8 +396,8 @@ MERGED_KEY = "__smpckpt_merged__"
 #: Key in ``Metadata.planner_data`` of an artifact read through a translation that cannot present all of
 #: it: ``{"refuse": {key prefix: why}}`` for state left out under names the translation does not rename
 #: (an untranslated artifact's optimizer state; asking for a key under the prefix is refused in those words,
-#: never skipped), ``{"as_is": judge}`` for an untranslated artifact no rule of it takes, read as it is (a load
-#: missing model keys of ours asks the judge, ``smpckpt.hf``'s wrong-family rule: another family's names, refused).
+#: never skipped), ``{"as_is": judge}`` for an untranslated artifact whose layers no rule of it takes (none, or a
+#: head renamed: both entries) (a load missing model keys of ours asks ``smpckpt.hf``'s wrong-family judge).
 UNREAD_KEY = "__smpckpt_unread__"
 
 

@@ -437,8 +437,8 @@ class ArtifactIndex:
         state, keyed by the Hugging Face parameters) is left out, asking for it refused (:data:`UNREAD_KEY`)."""
         art_shapes = self.shapes.get("model", {})
         data = dict(metadata.planner_data) if isinstance(metadata.planner_data, dict) else {}
-        judge = as_is_judge(translation, art_shapes, self.url, prefix)
-        if judge is not None:  # no rule takes a tensor: read as it is, judged by the planner if keys are missing
+        judge, renamed = as_is_judge(translation, art_shapes, self.url, prefix)
+        if judge is not None and not renamed:  # no rule takes a tensor: read as it is, judged if keys are missing
             metadata.planner_data = {**data, UNREAD_KEY: {"as_is": judge}}
             return
         refuse: dict[str, str] = {}
@@ -453,8 +453,10 @@ class ArtifactIndex:
             data.pop(fqn, None)
         ours = self._model_entries(metadata.state_dict_metadata, art_shapes, translation, prefix)
         data.update({prefix + k: ("model", k) for k in ours})
-        if refuse:
-            data[UNREAD_KEY] = {"refuse": refuse}
+        # renamed outside layers only (a head): the layers, read as they are, are judged as above (rev73c 1)
+        unread = {"refuse": refuse} if refuse else {}
+        if unread or judge is not None:
+            data[UNREAD_KEY] = unread | ({"as_is": judge} if judge is not None else {})
         merged = translation.merged_shapes({k: s for k, (_, s) in ours.items()})
         record = data.get(METADATA_KEY)
         if merged and isinstance(record, Mapping):  # the record's shapes before a view are what planners read

@@ -318,3 +318,22 @@ def forward_of(name: str) -> Any:
     """The reference TP forward of any family (``ranks, config, ids -> logits``)."""
     helpers = _family_helpers(name)
     return FORWARDS[name] if helpers is None else helpers.FORWARDS[name]
+
+
+# -- a job reading a full artifact, simulated in one process ------------------------------------------------------
+
+
+def sim_full_load(root: Any, states: list[dict[str, Any]], translation: Any) -> None:
+    """A job of one rank per state dict in ``states`` (a pipeline stage each, ``ParallelLayout(pp=len(states))``)
+    reading the full artifact at ``root`` through ``translation`` (its model under ``model.``), partial loads
+    allowed (``strict=False``), simulated in one process (each rank's planner and reader, rank 0's global plan:
+    tests/sim.py): the tensors of ``states`` loaded in place."""
+    from sim import sim_load
+
+    from smpckpt.model.layout import ParallelLayout
+    from smpckpt.planners import ParallelLoadPlanner
+    from smpckpt.storage import FsspecStorageReader
+
+    layout = ParallelLayout(pp=len(states))
+    planners = [ParallelLoadPlanner(layout, rank=r, allow_partial_load=True) for r in range(len(states))]
+    sim_load(states, planners, [FsspecStorageReader(root, translation=translation, hf_prefix="model.") for _ in states])

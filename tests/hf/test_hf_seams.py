@@ -1,7 +1,8 @@
 """Every Hugging Face family where our exports meet transformers (tier 1, one process): a TP=1 model in
 our names exports with a translation and no specs (the model's fused shapes are the view's merged), and
 loads back into TP=1 and TP=2. A translation that does not fit: ``test_hf_misfit.py``; an untranslated artifact
-read through a translation and the wrong-family judgement: ``test_hf_as_is.py`` (both split from this file)."""
+read through a translation and the wrong-family judgement: ``test_hf_as_is.py`` (both split from this file), over
+stages and PP jobs: ``test_hf_stages.py``."""
 
 from __future__ import annotations
 
